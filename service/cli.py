@@ -1,0 +1,51 @@
+"""The ``tilewise`` command: one sub-command per module in :mod:`service.commands`.
+
+Each command module defines ``register(subparsers)`` using argparse only, and imports its heavy
+dependencies (torch, FastAPI, ...) inside the function that runs it, so ``tilewise batch --help``
+never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from service._deps import check_onnxruntime_distributions
+
+logger = logging.getLogger(__name__)
+
+#: Sub-command modules, in the order ``tilewise --help`` lists them.
+COMMANDS = ("serve", "infer", "batch", "demo", "setup_models", "export_onnx")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser with every sub-command registered."""
+    parser = argparse.ArgumentParser(
+        prog="tilewise",
+        description="Seam-free tiled inference for large 2D images and 3D NIfTI volumes.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        module = importlib.import_module(f"service.commands.{name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tilewise`` console script; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from service.log import configure_logging
+
+    configure_logging(args.log_level)
+    check_onnxruntime_distributions()
+    status: int = args.run(args)
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

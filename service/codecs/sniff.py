@@ -1,0 +1,115 @@
+"""Format detection from a file's first bytes (magic numbers), never from its name.
+
+Standard library only: the batch client imports this module to pick the files a server can read,
+without numpy, nibabel, torch or FastAPI.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["FORMATS", "Sniffed", "sniff", "sniff_bytes"]
+
+logger = logging.getLogger(__name__)
+
+#: Every input kind :func:`sniff` recognizes.
+FORMATS = ("nifti", "png", "jpeg", "tiff")
+
+_PNG = b"\x89PNG\r\n\x1a\n"
+_JPEG = b"\xff\xd8\xff"
+_TIFF = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # classic and BigTIFF, both byte orders
+_GZIP = b"\x1f\x8b"
+_NIFTI1_MAGIC = b"n+1\x00"
+_NIFTI1_PAIR_MAGIC = b"ni1\x00"
+_NIFTI2_MAGIC = b"n+2\x00"
+_HEAD = 544  # enough for the NIfTI-2 header's magic (offset 4) and the NIfTI-1 one (offset 344)
+
+
+@dataclass(frozen=True, slots=True)
+class Sniffed:
+    """What a file's first bytes say it is.
+
+    Attributes:
+        kind: one of :data:`FORMATS`.
+        nifti_version: 1 or 2 for NIfTI, else 0.
+        gzipped: whether the NIfTI is gzip-compressed (``.nii.gz``).
+        byteorder: ``"<"`` or ``">"`` for NIfTI, else ``""``.
+    """
+
+    kind: str
+    nifti_version: int = 0
+    gzipped: bool = False
+    byteorder: str = ""
+
+
+def _sniff_nifti(head: bytes, *, gzipped: bool) -> Sniffed | None:
+    """Recognize a single-file NIfTI-1 (``n+1``) or NIfTI-2 (``n+2``) header in ``head``."""
+    if len(head) < 4:
+        return None
+    for order in ("<", ">"):
+        (size,) = struct.unpack(f"{order}i", head[:4])
+        if gzipped and len(head) < 348 and size in (348, 540):
+            # A truncated .nii.gz: the header itself is cut short. Claim NIfTI so that the
+            # decoder reports it as corrupt (422) rather than as an unknown format (415).
+            return Sniffed("nifti", 1 if size == 348 else 2, gzipped, order)
+        if size == 348 and head[344:348] in (_NIFTI1_MAGIC, _NIFTI1_PAIR_MAGIC):
+            if head[344:348] == _NIFTI1_PAIR_MAGIC:
+                return None  # header of a .hdr/.img pair: the voxels are not in this file
+            return Sniffed("nifti", 1, gzipped, order)
+        if size == 540 and head[4:8] == _NIFTI2_MAGIC:
+            return Sniffed("nifti", 2, gzipped, order)
+    return None
+
+
+def sniff_bytes(head: bytes) -> Sniffed | None:
+    """Identify an uncompressed prefix of a file (at least 544 bytes for NIfTI-2).
+
+    Returns:
+        the detected format, or ``None`` when the bytes match no supported format.
+    """
+    if head.startswith(_PNG):
+        return Sniffed("png")
+    if head.startswith(_JPEG):
+        return Sniffed("jpeg")
+    if head[:4] in _TIFF:
+        return Sniffed("tiff")
+    return _sniff_nifti(head, gzipped=False)
+
+
+def sniff(path: str | Path) -> Sniffed | None:
+    """Identify the file at ``path`` by content, looking inside gzip for ``.nii.gz``.
+
+    Returns:
+        the detected format, or ``None`` when the content is no supported format (also for an
+        empty file, or a gzip stream too short or too corrupt to hold a NIfTI header).
+
+    Raises:
+        OSError: when the file cannot be read.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(_HEAD)
+    if head.startswith(_GZIP):
+        return _sniff_nifti(_gunzip_head(path), gzipped=True)
+    return sniff_bytes(head)
+
+
+def _gunzip_head(path: str | Path) -> bytes:
+    """The first bytes of a gzip stream's content, as far as a truncated stream allows."""
+    inflater = zlib.decompressobj(wbits=31)  # 31: expect a gzip header
+    out = b""
+    try:
+        with open(path, "rb") as fh:
+            while len(out) < _HEAD:
+                chunk = fh.read(65536)
+                if not chunk:
+                    break
+                out += inflater.decompress(inflater.unconsumed_tail + chunk, _HEAD - len(out))
+                if inflater.eof:
+                    break
+    except zlib.error as exc:
+        logger.debug("corrupt gzip stream while sniffing %s: %s", path, exc)
+    return out

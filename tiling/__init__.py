@@ -1,0 +1,34 @@
+"""tilewise's tiling engine: seam-free tiled inference for N-D images (no models, no service).
+
+>>> import numpy as np
+>>> x = np.arange(20, dtype=np.float32).reshape(1, 20)
+>>> y = tiled_inference(x, lambda t: 2 * t, tile_shape=8, halo=2, overlap=2, blend="hann")
+>>> bool(np.allclose(y, 2 * x))
+True
+"""
+
+from __future__ import annotations
+
+from tiling.engine import tiled_inference
+from tiling.errors import AccumulatorStateError, CoverageError, GridError, ShapeMismatchError, TilingError
+from tiling.geometry import BlendMode, BorderMode, PaddingMode
+from tiling.grid import AxisPlan, Tile, TileGrid
+from tiling.windows import pad_to_fit, sample_windows, sliding_windows
+
+__all__ = [
+    "AccumulatorStateError",
+    "AxisPlan",
+    "BlendMode",
+    "BorderMode",
+    "CoverageError",
+    "GridError",
+    "PaddingMode",
+    "ShapeMismatchError",
+    "Tile",
+    "TileGrid",
+    "TilingError",
+    "pad_to_fit",
+    "sample_windows",
+    "sliding_windows",
+    "tiled_inference",
+]

@@ -1,0 +1,123 @@
+"""Coverage-normalized overlap-add over a slab of the output.
+
+The accumulator holds fp32 weighted sums for the output rows (along axis 0) that tiles still add
+to; finished rows are divided by the coverage, handed back, and dropped. Coverage is the product of
+per-axis 1-D coverages (the grid is Cartesian and the windows separable), so no full-size coverage
+map exists, and no count is ever held in a narrow integer or fp16 type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from tiling.errors import AccumulatorStateError, CoverageError
+
+__all__ = ["SlabAccumulator"]
+
+
+class SlabAccumulator:
+    """Accumulate weighted tile outputs and release normalized slabs along axis 0.
+
+    Args:
+        channels: output channels ``C``.
+        out_shape: spatial shape of the whole output (voxels).
+        coverages: per axis, a ``(out_shape[a],)`` coverage vector, or ``None`` for all ones.
+        device: where the fp32 buffer lives.
+
+    Memory: ``4 * C * rows * prod(out_shape[1:])`` bytes, with ``rows`` at most one core plus the
+    overlap along axis 0.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        out_shape: Sequence[int],
+        coverages: Sequence[npt.NDArray[np.float32] | None],
+        device: torch.device,
+    ) -> None:
+        self.channels = channels
+        self.out_shape = tuple(out_shape)
+        self.device = device
+        self._cov = [
+            None if c is None else torch.from_numpy(np.asarray(c, dtype=np.float32)).to(device)
+            for c in coverages
+        ]
+        self._lo = 0
+        self._buf = torch.zeros((channels, 0, *self.out_shape[1:]), dtype=torch.float32, device=device)
+        self._done = False
+
+    @property
+    def lo(self) -> int:
+        """First output row (axis 0) still held."""
+        return self._lo
+
+    def add(self, write: Sequence[slice], values: torch.Tensor, weight: torch.Tensor | None) -> None:
+        """Add ``values * weight`` at ``write`` (output coordinates).
+
+        Args:
+            write: one slice per spatial axis, in output coordinates.
+            values: ``(C, *region)`` float32.
+            weight: ``(*region)`` float32 blend weights, or ``None`` for ones.
+
+        Raises:
+            AccumulatorStateError: after :meth:`finalize`, or for rows already released.
+        """
+        if self._done:
+            raise AccumulatorStateError("add() after finalize()")
+        start, stop = write[0].start, write[0].stop
+        if start < self._lo:
+            raise AccumulatorStateError(f"rows {start}..{self._lo} were already released")
+        held = self._lo + self._buf.shape[1]
+        if stop > held:
+            grow = torch.zeros((self.channels, stop - held, *self.out_shape[1:]), dtype=torch.float32,
+                               device=self.device)  # fmt: skip
+            self._buf = torch.cat([self._buf, grow], dim=1)
+        local = (slice(None), slice(start - self._lo, stop - self._lo), *write[1:])
+        if weight is None:
+            self._buf[local] += values
+        else:
+            self._buf[local] += values * weight
+
+    def release(self, until: int) -> tuple[int, torch.Tensor]:
+        """Normalize and hand back rows ``[lo, until)``; returns ``(lo, (C, rows, ...))``.
+
+        Raises:
+            AccumulatorStateError: after :meth:`finalize`.
+            CoverageError: a released voxel has zero coverage (an engine bug).
+        """
+        if self._done:
+            raise AccumulatorStateError("release() after finalize()")
+        n = until - self._lo
+        held = self._buf.shape[1]
+        if n > held:
+            raise AccumulatorStateError(f"rows up to {until} were never added (held up to {self._lo + held})")
+        lo = self._lo
+        region = self._buf[:, :n]
+        region = region / self._coverage(lo, until)
+        self._buf = self._buf[:, n:].clone()
+        self._lo = until
+        return lo, region
+
+    def finalize(self) -> tuple[int, torch.Tensor]:
+        """Release every remaining row; the accumulator accepts nothing afterwards."""
+        out = self.release(self._lo + self._buf.shape[1])
+        self._done = True
+        return out
+
+    def _coverage(self, lo: int, hi: int) -> torch.Tensor:
+        ndim = len(self.out_shape)
+        total = torch.ones((1,) * (ndim + 1), dtype=torch.float32, device=self.device)
+        for axis, cov in enumerate(self._cov):
+            if cov is None:
+                continue
+            vec = cov[lo:hi] if axis == 0 else cov
+            shape = [1] * (ndim + 1)
+            shape[axis + 1] = vec.shape[0]
+            total = total * vec.reshape(shape)
+        if not bool((total > 0).all()):  # pragma: no cover - plan guarantees positive coverage
+            raise CoverageError(f"zero coverage in output rows {lo}..{hi}")
+        return total

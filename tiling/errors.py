@@ -1,0 +1,34 @@
+"""Exceptions raised by :mod:`tiling`.
+
+Hierarchy (each class also inherits the builtin it refines, so ``except ValueError`` keeps working)::
+
+    TilingError(Exception)
+      GridError(TilingError, ValueError)             invalid tile/halo/overlap/stride for this input
+      ShapeMismatchError(TilingError, ValueError)    input or predictor output of the wrong shape
+      CoverageError(TilingError, RuntimeError)       a roi voxel received zero total weight (engine bug)
+      AccumulatorStateError(TilingError, RuntimeError)  add() after finalize(), etc.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AccumulatorStateError", "CoverageError", "GridError", "ShapeMismatchError", "TilingError"]
+
+
+class TilingError(Exception):
+    """Root of every error raised by :mod:`tiling`."""
+
+
+class GridError(TilingError, ValueError):
+    """A tile, halo, overlap, stride, alignment or scale that cannot tile this input."""
+
+
+class ShapeMismatchError(TilingError, ValueError):
+    """An input, ``out`` array or predictor output whose shape does not fit the plan."""
+
+
+class CoverageError(TilingError, RuntimeError):
+    """A voxel of the region of interest received zero total blend weight (an engine bug)."""
+
+
+class AccumulatorStateError(TilingError, RuntimeError):
+    """The accumulator was used out of order, e.g. ``add()`` after ``finalize()``."""

@@ -1,0 +1,98 @@
+"""Per-axis parameters: broadcasting of ints and tuples, and their validation.
+
+Every spatial parameter of :func:`tiling.tiled_inference` is either one value for all spatial axes
+or a tuple with one value per axis, in array-axis order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from fractions import Fraction
+
+from tiling.errors import GridError
+
+__all__ = ["BlendMode", "BorderMode", "PaddingMode", "as_fractions", "as_ints"]
+
+
+class BlendMode(str, enum.Enum):
+    """Blend window applied to each tile's core before overlap-add."""
+
+    CONSTANT = "constant"
+    GAUSSIAN = "gaussian"
+    HANN = "hann"
+    TRIANGULAR = "triangular"
+
+
+class BorderMode(str, enum.Enum):
+    """What a tile sees beyond the image edge.
+
+    ``clip``: tiles stop at the edge; the network pads as it would on the whole image.
+    ``pad``: the image is padded by the halo (``padding_mode``) so every voxel has full context.
+    """
+
+    CLIP = "clip"
+    PAD = "pad"
+
+
+class PaddingMode(str, enum.Enum):
+    """Padding for ``border="pad"`` and for rounding up to the alignment (numpy ``np.pad`` names)."""
+
+    CONSTANT = "constant"
+    REFLECT = "reflect"
+    REPLICATE = "replicate"
+
+
+def parse_enum(kind: type[enum.Enum], value: object, name: str) -> enum.Enum:
+    """Return ``kind(value)`` or raise :class:`GridError` listing the allowed values."""
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = [m.value for m in kind]  # type: ignore[attr-defined]
+        raise GridError(f"{name}={value!r} is not one of {allowed}") from None
+
+
+def as_ints(value: int | Sequence[int], ndim: int, name: str, *, minimum: int) -> tuple[int, ...]:
+    """Broadcast ``value`` to ``ndim`` ints and check each is ``>= minimum``.
+
+    Raises:
+        GridError: wrong number of axes, a non-integer, or a value below ``minimum``.
+    """
+    values = _broadcast(value, ndim, name)
+    out = []
+    for axis, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) and not hasattr(v, "__index__"):
+            raise GridError(f"{name}[{axis}]={v!r} must be an integer (voxels)")
+        v = int(v)
+        if v < minimum:
+            raise GridError(f"{name}[{axis}]={v} must be >= {minimum}")
+        out.append(v)
+    return tuple(out)
+
+
+def as_fractions(value: float | Fraction | Sequence[float | Fraction], ndim: int, name: str) -> tuple[Fraction, ...]:
+    """Broadcast a positive scale factor to ``ndim`` exact fractions (``0.25`` -> ``1/4``).
+
+    Raises:
+        GridError: wrong number of axes or a non-positive value.
+    """
+    values = _broadcast(value, ndim, name)
+    out = []
+    for axis, v in enumerate(values):
+        f = Fraction(v).limit_denominator(1024)
+        if f <= 0:
+            raise GridError(f"{name}[{axis}]={v} must be > 0")
+        out.append(f)
+    return tuple(out)
+
+
+def _broadcast(value: object, ndim: int, name: str) -> tuple[object, ...]:
+    if isinstance(value, (str, bytes)):
+        raise GridError(f"{name}={value!r} must be a number or a tuple of {ndim} numbers")
+    if isinstance(value, Sequence):
+        if len(value) != ndim:
+            raise GridError(
+                f"{name}={tuple(value)} has {len(value)} axes but the input has {ndim} spatial axes"
+            )
+        return tuple(value)
+    return (value,) * ndim
