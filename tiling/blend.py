@@ -55,4 +55,5 @@ def blend_window(
         w[: mid_lo + 1] = 1.0
     if flat_hi:
         w[mid_hi:] = 1.0
-    return w.astype(np.float32)
+    out: npt.NDArray[np.float32] = w.astype(np.float32)
+    return out

@@ -139,7 +139,7 @@ def _run_one(
     tiles = list(grid.tiles())
     weights = _weights(grid, acc_device)
     acc: SlabAccumulator | None = None
-    rows_left = {}
+    rows_left: dict[int, int] = {}
     for t in tiles:
         rows_left[t.index[0]] = rows_left.get(t.index[0], 0) + 1
     axis0 = grid.axes[0]
@@ -158,7 +158,7 @@ def _run_one(
         pred = pred.to(acc_device, torch.float32)
         logger.debug("batch %d: %d tiles -> %s", b // batch_size, len(batch_tiles), tuple(pred.shape))
         for k, t in enumerate(batch_tiles):
-            values = pred[(k, slice(None), *t.crop)]
+            values = pred[k][(slice(None), *t.crop)]
             if not grid.blended:
                 sink.write(t.write, _reduce(values, reduce))
             else:

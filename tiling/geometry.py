@@ -48,7 +48,7 @@ def parse_enum(kind: type[enum.Enum], value: object, name: str) -> enum.Enum:
     try:
         return kind(value)
     except ValueError:
-        allowed = [m.value for m in kind]  # type: ignore[attr-defined]
+        allowed = [m.value for m in kind]
         raise GridError(f"{name}={value!r} is not one of {allowed}") from None
 
 
@@ -79,6 +79,8 @@ def as_fractions(value: float | Fraction | Sequence[float | Fraction], ndim: int
     values = _broadcast(value, ndim, name)
     out = []
     for axis, v in enumerate(values):
+        if not isinstance(v, (int, float, Fraction)):
+            raise GridError(f"{name}[{axis}]={v!r} must be a number")
         f = Fraction(v).limit_denominator(1024)
         if f <= 0:
             raise GridError(f"{name}[{axis}]={v} must be > 0")
