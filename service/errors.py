@@ -13,6 +13,7 @@ Hierarchy (each class also inherits the builtin it refines, so ``except ValueErr
       JobNotFoundError(ServiceError, LookupError)        404 job_not_found
       JobStateError(ServiceError)                        409 job_state
       QueueFullError(ServiceError)                       503 queue_full (+ Retry-After)
+      NotReadyError(ServiceError)                        503 not_ready (models loading / shutting down)
 
 This module imports nothing but the standard library, so the batch client can use the codes
 without pulling in FastAPI or torch. The mapping of *foreign* exceptions (``models.errors``,
@@ -28,6 +29,7 @@ __all__ = [
     "EmptyBodyError",
     "JobNotFoundError",
     "JobStateError",
+    "NotReadyError",
     "PayloadTooLargeError",
     "QueueFullError",
     "ServiceError",
@@ -120,3 +122,10 @@ class QueueFullError(ServiceError):
     def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class NotReadyError(ServiceError):
+    """The models are not loaded yet, or the server is shutting down."""
+
+    status = 503
+    code = "not_ready"

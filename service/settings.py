@@ -4,7 +4,7 @@
 Variable                       Meaning
 =============================  ==========================================================
 ``TILEWISE_MODELS_DIR``        model repository folder (default: ``models.DEFAULT_MODELS_DIR``)
-``TILEWISE_DEVICE``            ``cpu``, ``cuda``, ``cuda:1`` ... (default: ``cpu``)
+``TILEWISE_DEVICE``            ``cpu``, ``cuda``, ``cuda:1`` ... (default: CUDA when available)
 ``TILEWISE_MAX_UPLOAD_BYTES``  largest accepted upload in bytes (413 beyond)
 ``TILEWISE_MAX_VOXELS``        largest accepted image, voxels or pixels times slices (413 beyond)
 ``TILEWISE_MAX_IMAGE_PIXELS``  Pillow's decompression-bomb limit for 2D images (413 beyond)
@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     )
 
     models_dir: Path | None = None
-    device: str = "cpu"
+    device: str | None = None
     max_upload_bytes: int = Field(default=2 * 2**30, ge=1)
     max_voxels: int = Field(default=2**30, ge=1)
     # Pillow's own default is 89.5 Mpx; scanned documents and slides of 20000 x 20000 px are real.
@@ -58,10 +58,12 @@ class Settings(BaseSettings):
             return None
         return value
 
-    @field_validator("device")
+    @field_validator("device", mode="before")
     @classmethod
-    def _check_device(cls, value: str) -> str:
+    def _check_device(cls, value: str | None) -> str | None:
         """Accept ``cpu``, ``cuda``, ``cuda:N`` and ``mps`` only; fail at start-up otherwise."""
+        if value is None or value in {"", "auto"}:
+            return None
         kind, _, index = value.partition(":")
         if kind not in {"cpu", "cuda", "mps"} or (index and not index.isdigit()):
             raise ValueError(f"device={value!r} is not one of 'cpu', 'cuda', 'cuda:N', 'mps'")

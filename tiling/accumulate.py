@@ -73,9 +73,11 @@ class SlabAccumulator:
             raise AccumulatorStateError(f"rows {start}..{self._lo} were already released")
         held = self._lo + self._buf.shape[1]
         if stop > held:
-            grow = torch.zeros((self.channels, stop - held, *self.out_shape[1:]), dtype=torch.float32,
-                               device=self.device)  # fmt: skip
-            self._buf = torch.cat([self._buf, grow], dim=1)
+            # One new buffer and one copy of the held rows (torch.cat would also allocate the zeros).
+            grown = torch.zeros((self.channels, stop - self._lo, *self.out_shape[1:]), dtype=torch.float32,
+                                device=self.device)  # fmt: skip
+            grown[:, : self._buf.shape[1]] = self._buf
+            self._buf = grown
         local = (slice(None), slice(start - self._lo, stop - self._lo), *write[1:])
         if weight is None:
             self._buf[local] += values
@@ -97,7 +99,7 @@ class SlabAccumulator:
             raise AccumulatorStateError(f"rows up to {until} were never added (held up to {self._lo + held})")
         lo = self._lo
         region = self._buf[:, :n]
-        region = region / self._coverage(lo, until)
+        self._normalize(region, lo, until)  # in place: no slab-sized temporaries
         self._buf = self._buf[:, n:].clone()
         self._lo = until
         return lo, region
@@ -108,16 +110,19 @@ class SlabAccumulator:
         self._done = True
         return out
 
-    def _coverage(self, lo: int, hi: int) -> torch.Tensor:
+    def _normalize(self, region: torch.Tensor, lo: int, hi: int) -> None:
+        """Divide ``region`` (rows ``lo..hi``) in place by the coverage, one per-axis vector at a time.
+
+        The coverage is the product of per-axis vectors; dividing by each in turn never materializes
+        a slab-sized coverage tensor.
+        """
         ndim = len(self.out_shape)
-        total = torch.ones((1,) * (ndim + 1), dtype=torch.float32, device=self.device)
         for axis, cov in enumerate(self._cov):
             if cov is None:
                 continue
             vec = cov[lo:hi] if axis == 0 else cov
+            if not bool((vec > 0).all()):  # pragma: no cover - plan guarantees positive coverage
+                raise CoverageError(f"zero coverage in output rows {lo}..{hi} (axis {axis})")
             shape = [1] * (ndim + 1)
             shape[axis + 1] = vec.shape[0]
-            total = total * vec.reshape(shape)
-        if not bool((total > 0).all()):  # pragma: no cover - plan guarantees positive coverage
-            raise CoverageError(f"zero coverage in output rows {lo}..{hi}")
-        return total
+            region /= vec.reshape(shape)

@@ -169,19 +169,18 @@ def _run_one(
                 row = t.index[0]
                 rows_left[row] -= 1
                 if rows_left[row] == 0 and row + 1 < axis0.n_tiles:
-                    lo, region = acc.release(axis0.writes[row + 1][0])
-                    _write_slab(sink, lo, region, reduce)
+                    # No local name keeps the released slab alive while the next one is allocated.
+                    _write_slab(sink, *acc.release(axis0.writes[row + 1][0]), reduce)
                     sink.flush()
         bar.update(len(batch_tiles))
     if acc is not None:
-        lo, region = acc.finalize()
-        _write_slab(sink, lo, region, reduce)
+        _write_slab(sink, *acc.finalize(), reduce)
     sink.flush()
 
 
 def _read(source: Any, grid: TileGrid, tile: Tile, pad_mode: PaddingMode) -> torch.Tensor:
-    starts = [s - a.pad_lo for s, a in zip(tile.starts, grid.axes)]
-    stops = [s + a.tile for s, a in zip(starts, grid.axes)]
+    starts = [s - a.pad_lo for s, a in zip(tile.starts, grid.axes, strict=True)]
+    stops = [s + a.tile for s, a in zip(starts, grid.axes, strict=True)]
     return read_region(source, starts, stops, grid.spatial_shape, pad_mode)
 
 
@@ -216,7 +215,7 @@ def _weights(grid: TileGrid, device: torch.device) -> list[tuple[torch.Tensor, .
 def _tile_weight(weights: list[tuple[torch.Tensor, ...] | None], tile: Tile) -> torch.Tensor | None:
     total: torch.Tensor | None = None
     ndim = len(weights)
-    for axis, (w, i) in enumerate(zip(weights, tile.index)):
+    for axis, (w, i) in enumerate(zip(weights, tile.index, strict=True)):
         if w is None:
             continue
         shape = [1] * ndim

@@ -12,7 +12,7 @@ from fractions import Fraction
 
 from tiling.errors import GridError
 
-__all__ = ["BlendMode", "BorderMode", "PaddingMode", "as_fractions", "as_ints"]
+__all__ = ["BlendMode", "BorderMode", "PaddingMode", "as_fractions", "as_ints", "parse_enum"]
 
 
 class BlendMode(str, enum.Enum):
@@ -70,7 +70,9 @@ def as_ints(value: int | Sequence[int], ndim: int, name: str, *, minimum: int) -
     return tuple(out)
 
 
-def as_fractions(value: float | Fraction | Sequence[float | Fraction], ndim: int, name: str) -> tuple[Fraction, ...]:
+def as_fractions(
+    value: float | Fraction | Sequence[float | Fraction], ndim: int, name: str
+) -> tuple[Fraction, ...]:
     """Broadcast a positive scale factor to ``ndim`` exact fractions (``0.25`` -> ``1/4``).
 
     Raises:

@@ -201,9 +201,9 @@ class TileGrid:
         for index in itertools.product(*(range(a.n_tiles) for a in self.axes)):
             yield Tile(
                 index=index,
-                starts=tuple(a.starts[i] for a, i in zip(self.axes, index)),
-                crop=tuple(slice(*a.crops[i]) for a, i in zip(self.axes, index)),
-                write=tuple(slice(*a.writes[i]) for a, i in zip(self.axes, index)),
+                starts=tuple(a.starts[i] for a, i in zip(self.axes, index, strict=True)),
+                crop=tuple(slice(*a.crops[i]) for a, i in zip(self.axes, index, strict=True)),
+                write=tuple(slice(*a.writes[i]) for a, i in zip(self.axes, index, strict=True)),
             )
 
     def summary(self) -> str:
@@ -243,9 +243,7 @@ def _plan_axis(
         used, stride, starts = extent, 0, [0]
     else:
         if tile % alignment:
-            raise GridError(
-                f"tile_shape[{axis}]={tile} is not a multiple of alignment[{axis}]={alignment}"
-            )
+            raise GridError(f"tile_shape[{axis}]={tile} is not a multiple of alignment[{axis}]={alignment}")
         core = tile - 2 * halo
         if core <= 0:
             raise GridError(
@@ -277,7 +275,7 @@ def _plan_axis(
     coverage = np.zeros(out_length, dtype=np.float32)
     kept_starts = []
     prev_hi = 0
-    for i, (t, (c_lo, c_hi)) in enumerate(zip(starts, cores)):
+    for i, (t, (c_lo, c_hi)) in enumerate(zip(starts, cores, strict=True)):
         w_lo = max(c_lo, prev_hi) if partition else c_lo
         prev_hi = c_hi
         t_out = _scaled(t, scale, "tile origin", axis)

@@ -61,9 +61,7 @@ def read_region(
         ``(C, *(stops - starts))`` float32 tensor (on the source's device for torch sources, else
         on the CPU).
     """
-    index_maps = [
-        source_indices(a, b, n, mode) for a, b, n in zip(starts, stops, spatial_shape)
-    ]
+    index_maps = [source_indices(a, b, n, mode) for a, b, n in zip(starts, stops, spatial_shape, strict=True)]
     slices: list[slice] = [slice(None)]
     takes: list[npt.NDArray[np.int64] | None] = []
     for idx in index_maps:
@@ -75,7 +73,10 @@ def read_region(
     if isinstance(source, torch.Tensor):
         block = source[tuple(slices)].to(torch.float32)
     else:
-        block = torch.from_numpy(np.ascontiguousarray(np.asarray(source[tuple(slices)], dtype=np.float32)))
+        array = np.ascontiguousarray(np.asarray(source[tuple(slices)], dtype=np.float32))
+        if not array.flags.writeable:  # e.g. a contiguous slice of a read-only memmap: torch warns
+            array = array.copy()
+        block = torch.from_numpy(array)
     if all(t is None for t in takes):
         return block.contiguous()
     for axis, take in enumerate(takes, start=1):

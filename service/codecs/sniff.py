@@ -93,14 +93,22 @@ def sniff(path: str | Path) -> Sniffed | None:
     with open(path, "rb") as fh:
         head = fh.read(_HEAD)
     if head.startswith(_GZIP):
-        return _sniff_nifti(_gunzip_head(path), gzipped=True)
+        inner, complete = _gunzip_head(path)
+        found = _sniff_nifti(inner, gzipped=True)
+        if found is None and not complete and len(inner) < 348:
+            # Cut short (or corrupt) before a header could be read: most likely a truncated
+            # .nii.gz, so let the NIfTI decoder report it as corrupt (422) rather than 415.
+            return Sniffed("nifti", 0, True, "<")
+        return found
     return sniff_bytes(head)
 
 
-def _gunzip_head(path: str | Path) -> bytes:
-    """The first bytes of a gzip stream's content, as far as a truncated stream allows."""
+def _gunzip_head(path: str | Path) -> tuple[bytes, bool]:
+    """The first bytes of a gzip stream's content, as far as a truncated stream allows, and
+    whether the stream was readable that far (complete, or not cut short before them)."""
     inflater = zlib.decompressobj(wbits=31)  # 31: expect a gzip header
     out = b""
+    complete = False
     try:
         with open(path, "rb") as fh:
             while len(out) < _HEAD:
@@ -109,7 +117,8 @@ def _gunzip_head(path: str | Path) -> bytes:
                     break
                 out += inflater.decompress(inflater.unconsumed_tail + chunk, _HEAD - len(out))
                 if inflater.eof:
+                    complete = True
                     break
     except zlib.error as exc:
         logger.debug("corrupt gzip stream while sniffing %s: %s", path, exc)
-    return out
+    return out, complete or len(out) >= _HEAD

@@ -1,0 +1,202 @@
+"""Export eager models to ONNX (dynamic batch and spatial axes) or TorchScript, with a parity check."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from models.errors import BackendUnavailableError, ExportError
+from models.spec import ModelSpec
+
+__all__ = ["ExportReport", "export_onnx", "export_torchscript", "onnx_spec_mapping"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ExportReport:
+    """Outcome of an export: where, parity against eager (max abs difference) and timing."""
+
+    path: Path
+    export_shape: tuple[int, ...]
+    parity_shape: tuple[int, ...]
+    max_abs_diff: float
+    atol: float
+    seconds: float
+
+
+def _parity_input(in_channels: int, shape: Sequence[int], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn((2, in_channels, *shape), generator=generator)
+
+
+def _check(report: ExportReport, name: str) -> ExportReport:
+    logger.info("exported %s to %s: max abs difference %.3g (atol %g) on %s", name, report.path,
+                report.max_abs_diff, report.atol, report.parity_shape)  # fmt: skip
+    if not report.max_abs_diff <= report.atol:
+        raise ExportError(
+            f"{name}: exported model differs from eager by {report.max_abs_diff:.3g} > atol {report.atol:g} "
+            f"on input {report.parity_shape}"
+        )
+    return report
+
+
+def export_onnx(
+    module: nn.Module,
+    path: Path,
+    *,
+    in_channels: int,
+    export_shape: Sequence[int],
+    parity_shape: Sequence[int] | None = None,
+    alignment: int = 1,
+    atol: float = 1e-4,
+    opset: int = 18,
+    name: str = "model",
+) -> ExportReport:
+    """Export ``module`` to ONNX with dynamic batch and spatial axes, then check parity.
+
+    The parity input is random ``(2, in_channels, *parity_shape)``; its default spatial shape is
+    ``export_shape`` plus ``alignment`` on every axis, so the dynamic axes are exercised.
+
+    Args:
+        module: an eager module mapping ``(B, in_channels, *spatial)`` to ``(B, C_out, *spatial')``.
+        path: the ``.onnx`` file to write (a single file, no external data).
+        in_channels: input channels.
+        export_shape: spatial shape of the example input used for tracing (voxels).
+        parity_shape: spatial shape of the parity input (default: see above).
+        alignment: the network's total stride.
+        atol: max abs difference accepted between ONNX Runtime and eager.
+        opset: ONNX opset version.
+        name: model name for messages.
+
+    Returns:
+        The :class:`ExportReport`.
+
+    Raises:
+        ExportError: export failed, or parity exceeded ``atol`` (the file is kept for inspection).
+        BackendUnavailableError: onnx, onnxscript or onnxruntime is missing.
+    """
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise BackendUnavailableError("ONNX export needs onnxruntime (tilewise[cpu]) for its parity check") from exc
+    start = time.perf_counter()
+    module = module.eval().cpu()
+    export_shape = tuple(int(s) for s in export_shape)
+    parity = tuple(parity_shape) if parity_shape is not None else tuple(s + alignment for s in export_shape)
+    example = torch.zeros((1, in_channels, *export_shape))
+    dims = {0: "batch", **{2 + i: f"spatial{i}" for i in range(len(export_shape))}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.export import Dim
+
+        auto = {axis: Dim.AUTO for axis in dims}
+        with warnings.catch_warnings():
+            # torch.export and onnxscript emit Deprecation/FutureWarnings about their own internals.
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                module, (example,), None, input_names=["input"], output_names=["output"],
+                opset_version=opset, dynamo=True, dynamic_shapes={"x": auto} if _arg_name(module) == "x" else (auto,),
+                external_data=False, verbose=False,
+            )  # fmt: skip
+            assert program is not None
+            program.save(str(path), external_data=False)
+    except ImportError as exc:
+        raise BackendUnavailableError(f"{name}: ONNX export needs onnx and onnxscript (tilewise[export])") from exc
+    except Exception as exc:  # torch.export raises many types
+        raise ExportError(f"{name}: ONNX export failed: {exc}") from exc
+    x = _parity_input(in_channels, parity, seed=0)
+    with torch.inference_mode():
+        expected = module(x).float().numpy()
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    except Exception as exc:  # onnxruntime's own exception types
+        raise ExportError(f"{name}: the exported model does not run in onnxruntime: {exc}") from exc
+    if got.shape != expected.shape:
+        raise ExportError(f"{name}: ONNX output shape {got.shape} != eager {expected.shape} on {parity}")
+    diff = float(np.abs(got - expected).max())
+    report = ExportReport(path, export_shape, parity, diff, atol, time.perf_counter() - start)
+    return _check(report, name)
+
+
+def _arg_name(module: nn.Module) -> str:
+    import inspect
+
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return "x"
+    return params[0] if params else "x"
+
+
+def export_torchscript(
+    module: nn.Module,
+    path: Path,
+    *,
+    in_channels: int,
+    export_shape: Sequence[int],
+    atol: float = 1e-4,
+    alignment: int = 1,
+    name: str = "model",
+) -> ExportReport:
+    """Trace ``module`` to TorchScript (convolutional nets trace shape-generically) and check parity.
+
+    Raises:
+        ExportError: tracing failed or parity on a differently sized input exceeded ``atol``.
+    """
+    start = time.perf_counter()
+    module = module.eval().cpu()
+    export_shape = tuple(int(s) for s in export_shape)
+    parity = tuple(s + alignment for s in export_shape)
+    try:
+        with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+            warnings.simplefilter("ignore")  # TracerWarnings and deprecation notices
+            traced = torch.jit.trace(module, torch.zeros((1, in_channels, *export_shape)))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            traced.save(str(path))
+            loaded = torch.jit.load(str(path))
+    except Exception as exc:  # torch.jit raises many types
+        raise ExportError(f"{name}: TorchScript export failed: {exc}") from exc
+    x = _parity_input(in_channels, parity, seed=0)
+    with torch.inference_mode():
+        diff = float((loaded(x) - module(x)).abs().max())
+    report = ExportReport(path, export_shape, parity, diff, atol, time.perf_counter() - start)
+    return _check(report, name)
+
+
+def onnx_spec_mapping(spec: ModelSpec, onnx_path: Path, sha256: str, *, name: str | None = None) -> dict[str, Any]:
+    """A spec mapping for the ONNX export of ``spec`` (same channels, preprocessing and defaults)."""
+    d = spec.defaults
+    return {
+        "name": name or f"{spec.name}-onnx",
+        "description": f"ONNX export of {spec.name}",
+        "backend": "onnx",
+        "file": onnx_path.name,
+        "sha256": sha256,
+        "spatial_dims": spec.spatial_dims,
+        "in_channels": spec.in_channels,
+        "out_channels": spec.out_channels,
+        "alignment": spec.alignment,
+        "scale": spec.scale,
+        "receptive_field": None if spec.receptive_field is None else list(spec.receptive_field),
+        "tile_dependent": spec.tile_dependent,
+        "preprocess": [{"type": s.kind, **s.params} if s.params else s.kind for s in spec.preprocess],
+        "output": {"activation": spec.activation, "kind": spec.output_kind, "dtype": spec.output_dtype},
+        "defaults": {
+            "tile": list(d.tile),
+            "halo": d.halo if isinstance(d.halo, str) else list(d.halo),
+            "overlap": list(d.overlap) if isinstance(d.overlap, tuple) else d.overlap,
+            "blend": d.blend,
+            "batch_size": d.batch_size,
+        },
+    }

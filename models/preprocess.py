@@ -1,0 +1,159 @@
+"""Whole-image preprocessing (before tiling) and output activation (after blending).
+
+Statistics such as z-score or percentiles are computed over the whole image, never per tile, so
+that every tile sees the same normalization and the tiled result equals the whole-image one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from models.errors import InputError
+from models.spec import ModelSpec, PreprocessStep
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["make_reduce", "preprocess"]
+
+logger = logging.getLogger(__name__)
+
+#: ITU-R BT.601 luma weights for RGB -> grey.
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+
+def _unit_range(x: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+    if np.issubdtype(x.dtype, np.integer):
+        info = np.iinfo(x.dtype)
+        if info.min < 0:
+            return ((x.astype(np.float32) - info.min) / (info.max - info.min)).astype(np.float32)
+        return (x.astype(np.float32) / info.max).astype(np.float32)
+    if x.dtype == np.bool_:
+        return x.astype(np.float32)
+    return x.astype(np.float32, copy=False)
+
+
+def _per_channel(value: Any, n_channels: int, what: str) -> npt.NDArray[np.float32]:
+    arr = np.asarray(value, dtype=np.float32).reshape(-1)
+    if arr.size not in (1, n_channels):
+        raise InputError(f"normalize.{what} has {arr.size} values for {n_channels} channels")
+    return arr.reshape((-1,) + (1,) * 0)
+
+
+def _apply(step: PreprocessStep, x: npt.NDArray[Any], spec: ModelSpec) -> npt.NDArray[Any]:
+    p = step.params
+    kind = step.kind
+    if kind == "grey_to_rgb":
+        if x.shape[0] == 1:
+            return np.repeat(x, 3, axis=0)
+        if x.shape[0] == 4:  # RGBA: drop alpha
+            return x[:3]
+        return x
+    if kind == "rgb_to_grey":
+        if x.shape[0] in (3, 4):
+            rgb = x[:3].astype(np.float32)
+            return np.tensordot(_LUMA, rgb, axes=1)[None].astype(np.float32)
+        return x
+    if kind == "rgb_to_bgr":
+        return x[::-1] if x.shape[0] == 3 else x
+    if kind == "unit_range":
+        return _unit_range(x)
+    xf = x.astype(np.float32, copy=False)
+    if kind == "ct_window":
+        lo, hi = float(p["lo"]), float(p["hi"])
+        return ((np.clip(xf, lo, hi) - lo) / (hi - lo)).astype(np.float32)
+    if kind == "zscore":
+        mean = float(xf.mean(dtype=np.float64))
+        std = float(xf.std(dtype=np.float64))
+        return ((xf - mean) / (std if std > 0 else 1.0)).astype(np.float32)
+    if kind == "percentile":
+        lo, hi = np.percentile(xf, [float(p["lo"]), float(p["hi"])])
+        span = float(hi - lo) if hi > lo else 1.0
+        return np.clip((xf - lo) / span, 0.0, 1.0).astype(np.float32)
+    if kind == "normalize":
+        shape = (-1,) + (1,) * spec.spatial_dims
+        mean = _per_channel(p["mean"], x.shape[0], "mean").reshape(shape)
+        std = _per_channel(p["std"], x.shape[0], "std").reshape(shape)
+        return ((xf - mean) / std).astype(np.float32)
+    raise AssertionError(f"unknown step {kind!r}")  # spec validation rules this out
+
+
+def preprocess(data: npt.NDArray[Any], spec: ModelSpec) -> npt.NDArray[np.float32]:
+    """Apply ``spec.preprocess`` to a whole image and check it fits the model.
+
+    Args:
+        data: ``(C, *spatial)`` array of any numeric dtype, ``len(spatial) == spec.spatial_dims``.
+        spec: the model's spec.
+
+    Returns:
+        ``(spec.in_channels, *spatial)`` float32 array (a new array unless ``data`` was already
+        float32 and no step changed it).
+
+    Raises:
+        InputError: wrong number of dimensions, or channels that the steps cannot turn into
+            ``spec.in_channels``; the message names the model.
+    """
+    x = np.asarray(data)
+    if x.ndim != spec.spatial_dims + 1:
+        raise InputError(
+            f"model {spec.name!r} takes (C, *spatial) with {spec.spatial_dims} spatial axes, "
+            f"got an array of shape {x.shape}"
+        )
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise InputError(f"model {spec.name!r} takes numeric data, got dtype {x.dtype}")
+    for step in spec.preprocess:
+        x = _apply(step, x, spec)
+    if x.shape[0] != spec.in_channels:
+        raise InputError(
+            f"model {spec.name!r} takes {spec.in_channels} channel(s), got {x.shape[0]} "
+            f"(input shape {tuple(np.shape(data))})"
+        )
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def make_reduce(
+    activation: str, kind: str, *, threshold: float = 0.5
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The ``reduce`` callback of :func:`tiling.tiled_inference` for an output activation and kind.
+
+    Args:
+        activation: ``none``, ``sigmoid`` or ``softmax`` (over channels).
+        kind: ``probabilities`` (``(C_out, *r)`` float32) or ``labels`` (``(1, *r)`` uint8: argmax
+            over channels, or ``p > threshold`` when there is one channel).
+
+    Returns:
+        ``None`` when nothing needs doing (no activation, probabilities), else a function mapping a
+        finalized region ``(C_out, *r)`` float32 tensor to its reduced form.
+    """
+    import torch
+
+    if activation == "none" and kind == "probabilities":
+        return None
+
+    def reduce(region: torch.Tensor) -> torch.Tensor:
+        y = region.float()
+        if activation == "sigmoid":
+            y = torch.sigmoid(y)
+        elif activation == "softmax":
+            y = torch.softmax(y, dim=0)
+        if kind == "probabilities":
+            return y
+        if y.shape[0] == 1:
+            return (y > threshold).to(torch.uint8)
+        return torch.argmax(y, dim=0, keepdim=True).to(torch.uint8)
+
+    return reduce
+
+
+def channel_check(spec: ModelSpec, shape: Sequence[int]) -> None:
+    """Raise :class:`InputError` when a batch ``(B, C, *tile)`` does not fit ``spec``."""
+    if len(shape) != spec.spatial_dims + 2 or shape[1] != spec.in_channels:
+        raise InputError(
+            f"model {spec.name!r} takes batches (B, {spec.in_channels}, *tile) with "
+            f"{spec.spatial_dims} spatial axes, got {tuple(shape)}"
+        )

@@ -1,0 +1,309 @@
+"""The model repository (built-ins plus one spec file per model) and :class:`Model.run`."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from models.backends import BasePredictor, load_predictor
+from models.errors import RegistryError, UnknownModelError
+from models.options import InferenceOptions
+from models.preprocess import make_reduce, preprocess
+from models.receptive import (
+    HaloCalibration,
+    ReceptiveField,
+    calibrate_halo,
+    probe_input,
+    probe_receptive_field,
+)
+from models.spec import ModelSpec, load_spec
+from models.textdet import TEXT_DET_FILE, TEXT_DET_NAME, text_det_spec
+
+__all__ = ["DEFAULT_MODELS_DIR", "Model", "ModelRepository"]
+
+logger = logging.getLogger(__name__)
+
+#: Model folder used when settings name none (expanded with ``Path.expanduser`` when used).
+DEFAULT_MODELS_DIR = Path("~/.cache/tilewise/models")
+_BUILTIN_DIR = Path(__file__).parent / "builtin"
+_SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+#: Largest probe input per spatial_dims when the receptive field keeps reaching the probe's edge.
+_MAX_PROBE = {1: 8192, 2: 1024, 3: 96}
+
+
+class Model:
+    """A loaded model: its spec, its predictor, and tiled inference over whole images.
+
+    Attributes:
+        spec: the :class:`ModelSpec`.
+        predictor: the backend's :class:`~models.Predictor`.
+    """
+
+    #: The calibrated halo must meet ``tolerance * CALIBRATION_SAFETY`` on the sample tiles: the
+    #: sample covers a few tile placements, a whole image has seams everywhere.
+    CALIBRATION_SAFETY = 0.25
+
+    def __init__(self, spec: ModelSpec, predictor: BasePredictor) -> None:
+        self.spec = spec
+        self.predictor = predictor
+        self._lock = threading.Lock()
+        self._probe: ReceptiveField | None = None
+        self._halos: dict[tuple[tuple[int, ...], float], HaloCalibration] = {}
+
+    def __repr__(self) -> str:
+        return f"Model({self.spec.name!r}, backend={self.spec.backend!r}, device={self.predictor.device})"
+
+    def receptive_field(self) -> tuple[int, ...]:
+        """Theoretical receptive-field radius per axis (voxels): from the spec, else probed once.
+
+        The probe grows its input while the response reaches the probe's edge, up to 1024 voxels
+        per axis in 2-D (96 in 3-D); a network with global pooling reports that bound.
+        """
+        if self.predictor.receptive_field is not None:
+            return tuple(self.predictor.receptive_field)
+        with self._lock:
+            if self._probe is None:
+                ndim = self.spec.spatial_dims
+                size = {1: 1024, 2: 128, 3: 40}[ndim]
+                while True:
+                    self._probe = self._probe_once(size)
+                    if self._probe.bounded or size >= _MAX_PROBE[ndim]:
+                        break
+                    size = min(2 * size, _MAX_PROBE[ndim])
+                logger.info("model %s: receptive field %s (bounded %s)", self.spec.name, self._probe.radius,
+                            self._probe.bounded)  # fmt: skip
+            return self._probe.radius
+
+    def _probe_once(self, size: int) -> ReceptiveField:
+        shape = [-(-size // self.spec.alignment) * self.spec.alignment] * self.spec.spatial_dims
+        base = probe_input(self.predictor, shape)
+        frozen = getattr(self.predictor, "frozen_context", None)
+        with frozen(base[0]) if frozen is not None else contextlib.nullcontext():
+            view = getattr(self.predictor, "logit_view", None)
+            return probe_receptive_field(view() if view is not None else self.predictor, base=base)
+
+    def calibrate(
+        self, tile: Sequence[int], tolerance: float, sample: npt.NDArray[np.float32] | None = None
+    ) -> HaloCalibration:
+        """Calibrated halo for ``tile`` and ``tolerance`` (cached; first sample wins).
+
+        Args:
+            tile: tile shape per axis (voxels).
+            tolerance: max abs truncation error accepted, after the output activation.
+            sample: preprocessed ``(C_in, *spatial)`` data; default a synthetic sample.
+        """
+        key = (tuple(int(t) for t in tile), float(tolerance))
+        with self._lock:
+            cached = self._halos.get(key)
+        if cached is not None:
+            return cached
+        radius = self.receptive_field()
+        activation = make_reduce(self.spec.activation, "probabilities")
+        max_halo = min(max(radius), min(key[0]) // 2 - 1)
+        if sample is not None:
+            sample = _central_crop(sample, [t + 2 * max_halo for t in key[0]], self.spec.alignment)
+        frozen = getattr(self.predictor, "frozen_context", None)
+        with frozen(sample) if (frozen is not None and sample is not None) else contextlib.nullcontext():
+            result = calibrate_halo(
+                self.predictor, key[0], tolerance=tolerance * self.CALIBRATION_SAFETY, sample=sample,
+                max_halo=max_halo,
+                activation=activation, n_tiles=2,
+            )  # fmt: skip
+        with self._lock:
+            self._halos[key] = result
+        logger.info("model %s: tile %s tolerance %g -> calibrated halo %d", self.spec.name, key[0],
+                    tolerance, result.halo)  # fmt: skip
+        return result
+
+    def resolve_halo(
+        self, halo: tuple[int, ...] | str, tile: tuple[int, ...], tolerance: float, x: npt.NDArray[np.float32]
+    ) -> tuple[int, ...]:
+        """Per-axis halo: explicit, or ``"auto"``: calibrated on ``x``, capped by the radius."""
+        if halo != "auto":
+            return tuple(int(h) for h in halo)
+        spatial = x.shape[1:]
+        if all(s <= t for s, t in zip(spatial, tile)):
+            return (0,) * len(tile)  # one tile covers the image: no seam to protect
+        radius = self.receptive_field()
+        sample = x if all(s >= t for s, t in zip(spatial, tile)) else None
+        calibrated = self.calibrate(tile, tolerance, sample).halo
+        return tuple(min(calibrated, r, t // 2 - 1) for r, t in zip(radius, tile))
+
+    def run(
+        self,
+        data: npt.NDArray[Any],
+        options: InferenceOptions | None = None,
+        *,
+        out: npt.NDArray[Any] | None = None,
+        progress: bool = False,
+    ) -> npt.NDArray[Any]:
+        """Tiled inference over a whole image or volume.
+
+        Args:
+            data: ``(C, *spatial)`` array of any numeric dtype with ``len(spatial) ==
+                spec.spatial_dims``; the spec's preprocessing (normalization, grey to RGB, ...)
+                runs on the whole image first.
+            options: tile, halo, overlap, blend, batch size and output kind (``None``: defaults).
+            out: optional array to fill: ``(C_out, *spatial)`` float32 for probabilities,
+                ``(*spatial)`` uint8 for labels.
+            progress: show a progress bar over tiles.
+
+        Returns:
+            ``(C_out, *spatial * scale)`` float32 probabilities (after the activation), or
+            ``(*spatial * scale)`` uint8 labels (argmax over channels; ``p > 0.5`` for one channel).
+
+        Raises:
+            InputError: wrong number of spatial axes or channels.
+            GridError: an invalid tile, halo, overlap, blend or batch size.
+            InferenceError: the backend failed (``DeviceOutOfMemoryError`` when out of memory).
+        """
+        from tiling import tiled_inference
+
+        spec = self.spec
+        resolved = (options or InferenceOptions()).resolve(spec)
+        x = preprocess(data, spec)
+        start = time.perf_counter()
+        halo = self.resolve_halo(resolved.halo, resolved.tile, resolved.halo_tolerance, x)
+        context = getattr(self.predictor, "prepare_context", None)
+        if spec.global_pooling and context is not None:
+            context(x, tile=resolved.tile, halo=halo, batch_size=resolved.batch_size)
+        reduce = make_reduce(spec.activation, resolved.output)
+        target = out[None] if (out is not None and resolved.output == "labels") else out
+        result = tiled_inference(
+            x, self.predictor, tile_shape=resolved.tile, halo=halo, overlap=resolved.overlap,
+            blend=resolved.blend, alignment=spec.alignment, scale=spec.scale,
+            batch_size=resolved.batch_size, device=self.predictor.device, out=target, reduce=reduce,
+            progress=progress,
+        )  # fmt: skip
+        logger.info("model %s: %s -> %s in %.2f s (tile %s, halo %s)", spec.name, tuple(np.shape(data)),
+                    tuple(result.shape), time.perf_counter() - start, resolved.tile, halo)  # fmt: skip
+        if resolved.output == "labels":
+            return out if out is not None else np.asarray(result)[0]
+        return result if out is not None else np.asarray(result, dtype=np.float32)
+
+
+class ModelRepository:
+    """Built-in models plus one spec file (``.yaml``, ``.yml``, ``.json``) per model in a folder.
+
+    Built-ins: ``gaussian-2d/3d``, ``sobel-2d/3d``, ``log-2d/3d`` always; ``text-det-2d`` when its
+    ONNX file is in ``models_dir`` (``tilewise setup-models`` puts it there). Models load lazily
+    on :meth:`get` (or all at once with :meth:`warmup`) and are cached.
+
+    Args:
+        models_dir: the model folder (default :data:`DEFAULT_MODELS_DIR`); may be missing.
+        device: torch device for every model (``None``: CUDA when available, else CPU).
+        providers: ONNX Runtime execution providers (default: TensorRT, CUDA, CPU as available).
+
+    Raises:
+        SpecError: a spec file is invalid (the message names the file and the field).
+        RegistryError: two specs define the same model name.
+    """
+
+    def __init__(
+        self,
+        models_dir: Path | str | None = None,
+        device: str | None = None,
+        *,
+        providers: Sequence[str] | None = None,
+    ) -> None:
+        self.models_dir = Path(models_dir if models_dir is not None else DEFAULT_MODELS_DIR).expanduser()
+        self.device = device
+        self.providers = providers
+        self._specs: dict[str, ModelSpec] = {}
+        self._models: dict[str, Model] = {}
+        self._lock = threading.Lock()
+        for path in sorted(_BUILTIN_DIR.glob("*.yaml")):
+            self.add(load_spec(path))
+        if self.models_dir.is_dir():
+            for path in sorted(p for p in self.models_dir.iterdir() if p.suffix in _SPEC_SUFFIXES):
+                self.add(load_spec(path))
+        if TEXT_DET_NAME not in self._specs and (self.models_dir / TEXT_DET_FILE).is_file():
+            self.add(text_det_spec(self.models_dir))
+        logger.info("model repository %s: %s", self.models_dir, ", ".join(self.names()))
+
+    def add(self, spec: ModelSpec) -> None:
+        """Register a spec.
+
+        Raises:
+            RegistryError: the name is taken (both sources are named).
+        """
+        if spec.name in self._specs:
+            raise RegistryError(
+                f"model {spec.name!r} is defined twice: {self._specs[spec.name].source} and {spec.source}"
+            )
+        self._specs[spec.name] = spec
+
+    def names(self) -> list[str]:
+        """Registered model names, sorted."""
+        return sorted(self._specs)
+
+    def specs(self) -> list[ModelSpec]:
+        """Registered specs, sorted by name."""
+        return [self._specs[n] for n in self.names()]
+
+    def spec(self, name: str) -> ModelSpec:
+        """The spec of ``name`` without loading the model (raises :class:`UnknownModelError`)."""
+        if name not in self._specs:
+            close = difflib.get_close_matches(name, self.names(), n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise UnknownModelError(f"unknown model {name!r}{hint} (known: {', '.join(self.names())})")
+        return self._specs[name]
+
+    def get(self, name: str) -> Model:
+        """The loaded model ``name`` (loaded on first use, then cached).
+
+        Raises:
+            UnknownModelError: not registered; the message suggests close matches.
+            WeightsError, BackendError: the model cannot be loaded.
+        """
+        spec = self.spec(name)
+        with self._lock:
+            model = self._models.get(name)
+            if model is None:
+                model = Model(spec, _load(spec, self.device, self.providers))
+                self._models[name] = model
+        return model
+
+    def warmup(self, names: Sequence[str] | None = None) -> None:
+        """Load ``names`` (default all) and run one small forward pass each."""
+        import torch
+
+        for name in names if names is not None else self.names():
+            model = self.get(name)
+            spec = model.spec
+            size = max(spec.alignment, 8)
+            batch = torch.zeros((1, spec.in_channels, *([size] * spec.spatial_dims)))
+            model.predictor(batch)
+            logger.info("model %s: warm (%s)", name, model.predictor.describe())
+
+
+def _central_crop(x: npt.NDArray[np.float32], shape: Sequence[int], alignment: int) -> npt.NDArray[np.float32]:
+    """The centre of ``x`` ``(C, *spatial)``, at most ``shape`` (rounded up to ``alignment``)."""
+    cut = []
+    for s, want in zip(x.shape[1:], shape):
+        want = -(-want // alignment) * alignment
+        if want >= s:
+            cut.append(slice(None))
+        else:
+            lo = (s - want) // 2 // alignment * alignment
+            cut.append(slice(lo, lo + want))
+    return np.ascontiguousarray(x[(slice(None), *cut)])
+
+
+def _load(spec: ModelSpec, device: str | None, providers: Sequence[str] | None) -> BasePredictor:
+    predictor = load_predictor(spec, device, providers=providers)
+    if spec.global_pooling and spec.backend == "onnx":
+        from models.global_pool import GlobalPoolingPredictor
+
+        return GlobalPoolingPredictor.wrap(predictor, providers=providers)
+    return predictor
+

@@ -1,0 +1,131 @@
+"""The FastAPI application factory.
+
+``create_app(settings)`` builds an app whose lifespan loads the model repository (built-in
+models plus the specs in ``settings.models_dir``) and warms every model up, off the event loop,
+before the server accepts requests; then starts the device executor. Run it with
+``tilewise serve`` or ``uvicorn --factory service.app:create_app``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI
+
+from service.codecs import configure_pillow
+from service.executor import DeviceExecutor
+from service.http_errors import error_response, install_error_handlers
+from service.memory import release_free_memory
+from service.metrics import Metrics
+from service.requestid import RequestIdMiddleware
+from service.routes import health_router, v1_router
+from service.settings import Settings, get_settings
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+_DESCRIPTION = """\
+Seam-free tiled inference for large 2D images and 3D NIfTI volumes.
+
+POST a file to `/v1/models/{name}/infer` (raw body or multipart field `file`); the response is the
+output on the input's grid. Formats are detected by content: NIfTI-1/2 (`.nii`, `.nii.gz`), PNG,
+JPEG, TIFF. Errors are JSON `{"error": code, "detail": text}`.
+"""
+
+
+def _device_name(settings: Settings) -> str:
+    from models import resolve_device
+
+    return str(resolve_device(settings.device))
+
+
+def _load_repository(settings: Settings) -> Any:
+    """Build the model repository and warm it up (runs in a worker thread)."""
+    from models import ModelRepository
+
+    repository = ModelRepository(settings.models_dir, device=settings.device)
+    names = repository.names()
+    logger.info("loaded %d models on %s: %s", len(names), _device_name(settings), ", ".join(names))
+    if settings.warmup:
+        repository.warmup()
+        logger.info("models warmed up")
+    release_free_memory()
+    return repository
+
+
+def create_app(settings: Settings | None = None, *, repository: Any = None) -> FastAPI:
+    """Build the tilewise HTTP application.
+
+    Args:
+        settings: the configuration; ``get_settings()`` (the environment) when omitted.
+        repository: an already loaded model repository (tests); built in the lifespan otherwise.
+    """
+    settings = settings or get_settings()
+    configure_pillow(settings.max_image_pixels)
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.ready = False
+        repo = repository
+        if repo is None:
+            repo = await anyio.to_thread.run_sync(_load_repository, settings)
+        device = await anyio.to_thread.run_sync(_device_name, settings)
+        executor = DeviceExecutor(
+            device,
+            settings.queue_size,
+            retry_after_s=settings.retry_after_s,
+            on_depth=metrics.queue_depth.set,
+            after_job=release_free_memory,
+        )
+        app.state.repository = repo
+        app.state.executor = executor
+        app.state.device = device
+        app.state.ready = True
+        logger.info(
+            "tilewise ready: device=%s queue_size=%d max_upload_bytes=%d max_voxels=%d api_key=%s",
+            device,
+            settings.queue_size,
+            settings.max_upload_bytes,
+            settings.max_voxels,
+            "on" if settings.api_key is not None else "off",
+        )
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            executor.shutdown(wait=False)  # queued jobs are cancelled; a running one is dropped
+            logger.info("tilewise stopped")
+
+    app = FastAPI(
+        title="tilewise",
+        summary="Tiled inference for images and volumes too large for one forward pass.",
+        description=_DESCRIPTION,
+        version=_version(),
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.ready = False
+    install_error_handlers(app, retry_after_s=settings.retry_after_s)
+    app.add_middleware(
+        RequestIdMiddleware,
+        on_error=lambda exc: error_response(exc, retry_after_s=settings.retry_after_s),
+    )
+    app.include_router(health_router)
+    app.include_router(v1_router)
+    return app
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("tilewise")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"

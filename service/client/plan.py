@@ -1,0 +1,230 @@
+"""Which files a batch run sends, and where each output goes (no network, no image decoding).
+
+A file is sent when its content is a format the server reads (:mod:`service.client.sniff`) or its
+name claims one (``.nii``, ``.nii.gz``, ``.png``, ``.jpg``, ``.jpeg``, ``.tif``, ``.tiff``), so a
+corrupt scan is reported with the server's error instead of vanishing silently. ``--pattern``
+globs narrow the walk first. Names starting with ``.`` (temporary outputs, ``.git``) are never
+walked, nor is OUTPUT_DIR when it lies inside INPUT_DIR.
+
+Output paths mirror the input tree with the suffix of the output format::
+
+    a/b/scan.nii.gz  --nii.gz-->  a/b/scan.nii.gz
+    x/page.jpg       --png----->  x/page.png
+    x/page.jpg       --tiff---->  x/page.tiff
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from service.client.sniff import sniff_file
+
+__all__ = [
+    "FORMAT_SUFFIXES",
+    "Candidate",
+    "discover",
+    "glob_to_regex",
+    "output_format",
+    "output_relpath",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Output formats the server writes, with their file suffixes (DESIGN "Interfaces in detail").
+FORMAT_SUFFIXES: dict[str, str] = {
+    "nii.gz": ".nii.gz",
+    "nii": ".nii",
+    "png": ".png",
+    "tiff": ".tiff",
+    "npy": ".npy",
+}
+
+#: Input suffixes (lower case, longest first) and the kind of file each claims to be.
+_INPUT_SUFFIXES = (
+    (".nii.gz", "nifti"),
+    (".nii", "nifti"),
+    (".png", "png"),
+    (".jpeg", "jpeg"),
+    (".jpg", "jpeg"),
+    (".tiff", "tiff"),
+    (".tif", "tiff"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One file found under INPUT_DIR.
+
+    Attributes:
+        path: the file on disk.
+        rel: its path relative to INPUT_DIR (POSIX separators).
+        size_bytes: file size.
+        kind: what its content is (``nifti``, ``png``, ``jpeg``, ``tiff``), else ``None``.
+        claimed_kind: what its name says it is, else ``None``.
+    """
+
+    path: Path
+    rel: PurePosixPath
+    size_bytes: int
+    kind: str | None
+    claimed_kind: str | None
+
+    @property
+    def sendable(self) -> bool:
+        """Whether the server should see this file (by content, or by name when content is unknown)."""
+        return self.kind is not None or self.claimed_kind is not None
+
+    @property
+    def effective_kind(self) -> str | None:
+        """The content kind, else the kind its name claims."""
+        return self.kind or self.claimed_kind
+
+
+def _claimed_kind(name: str) -> tuple[str, str | None]:
+    """Split a file name into (stem, kind its suffix claims)."""
+    lower = name.lower()
+    for suffix, kind in _INPUT_SUFFIXES:
+        if lower.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)], kind
+    stem, dot, _ = name.rpartition(".")
+    return (stem, None) if dot and stem else (name, None)
+
+
+def glob_to_regex(pattern: str) -> re.Pattern[str]:
+    """Compile a glob over POSIX relative paths: ``*`` and ``?`` stay in one folder, ``**`` crosses.
+
+    ``**/`` also matches no folder at all, so ``**/*.png`` matches ``page.png`` and ``a/b/page.png``.
+    ``[...]`` character classes work as in :mod:`fnmatch`. Matching is case-sensitive.
+    """
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif c == "*":
+            out.append("[^/]*")
+            i += 1
+        elif c == "?":
+            out.append("[^/]")
+            i += 1
+        elif c == "[" and (close := pattern.find("]", i + 2)) != -1:
+            body = pattern[i + 1 : close]
+            if body.startswith("!"):
+                body = "^" + body[1:]
+            out.append(f"[{body.replace(chr(92), chr(92) * 2)}]")
+            i = close + 1
+        else:
+            out.append(re.escape(c))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _walk(root: Path, *, recursive: bool, exclude: Path | None) -> list[Path]:
+    """Regular files under ``root`` (sorted; hidden names and ``exclude`` skipped)."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if recursive and not d.startswith(".") and (exclude is None or (here / d).resolve() != exclude)
+        )
+        for name in sorted(filenames):
+            path = here / name
+            if not name.startswith(".") and path.is_file():
+                found.append(path)
+    return found
+
+
+def discover(
+    input_dir: Path,
+    *,
+    patterns: Sequence[str] = (),
+    recursive: bool = False,
+    exclude: Path | None = None,
+) -> list[Candidate]:
+    """Find the files of a batch run, sniffing each one's content.
+
+    Args:
+        input_dir: folder to walk.
+        patterns: globs on the path relative to ``input_dir`` (:func:`glob_to_regex`); a file is
+            kept when any matches. Empty: every file. A pattern containing ``/`` or ``**`` walks
+            subfolders even without ``recursive``.
+        recursive: walk subfolders.
+        exclude: a folder not to walk (the output folder when it lies inside ``input_dir``).
+
+    Returns:
+        every matching file, sendable or not, sorted by relative path.
+    """
+    regexes = [glob_to_regex(p) for p in patterns]
+    recursive = recursive or any("/" in p or "**" in p for p in patterns)
+    excluded = exclude.resolve() if exclude is not None else None
+    candidates = []
+    for path in _walk(input_dir, recursive=recursive, exclude=excluded):
+        rel = PurePosixPath(path.relative_to(input_dir).as_posix())
+        if regexes and not any(r.match(str(rel)) for r in regexes):
+            continue
+        try:
+            kind = sniff_file(path)
+            size = path.stat().st_size
+        except OSError as exc:
+            logger.warning("%s: cannot read (%s); skipped", rel, exc)
+            continue
+        candidates.append(Candidate(path, rel, size, kind, _claimed_kind(path.name)[1]))
+    return candidates
+
+
+def output_format(
+    kind: str | None,
+    *,
+    fmt: str | None = None,
+    output: str | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> str:
+    """The output format of one file, as the server will choose it (DESIGN "Interfaces in detail").
+
+    Args:
+        kind: input kind (``nifti``, ``png``, ``jpeg``, ``tiff``).
+        fmt: ``--format``, if given.
+        output: ``--output`` (``probabilities`` or ``labels``), if given.
+        defaults: the model's ``defaults`` from ``/v1/models`` (``output``, ``format``).
+
+    Returns:
+        a key of :data:`FORMAT_SUFFIXES`: ``fmt`` when given, else the model's default format when
+        it names one, else ``nii.gz`` for NIfTI, and for 2D input ``png`` for labels and ``tiff``
+        for probabilities.
+    """
+    if fmt:
+        return fmt
+    defaults = defaults or {}
+    default_fmt = defaults.get("format")
+    if isinstance(default_fmt, str) and default_fmt in FORMAT_SUFFIXES:
+        return default_fmt
+    if kind == "nifti":
+        return "nii.gz"
+    out_kind = output or defaults.get("output") or "probabilities"
+    return "png" if out_kind == "labels" else "tiff"
+
+
+def output_relpath(rel: PurePosixPath, fmt: str) -> PurePosixPath:
+    """The output path of input ``rel``: same folders and stem, suffix of ``fmt``.
+
+    Raises:
+        ValueError: ``fmt`` is not a key of :data:`FORMAT_SUFFIXES`.
+    """
+    try:
+        suffix = FORMAT_SUFFIXES[fmt]
+    except KeyError:
+        raise ValueError(f"format={fmt!r} is not one of {sorted(FORMAT_SUFFIXES)}") from None
+    stem, _ = _claimed_kind(rel.name)
+    return rel.with_name(stem + suffix)

@@ -1,0 +1,67 @@
+"""Settings of the batch client: command-line values first, ``TILEWISE_*`` environment second.
+
+============================  =============================================  =========
+Variable                      Meaning                                        Default
+============================  =============================================  =========
+``TILEWISE_API_KEY``          sent as ``Authorization: Bearer <key>``        none
+``TILEWISE_URL``              server base URL when ``--url`` is not given    none
+``TILEWISE_TIMEOUT_S``        ``--timeout``                                  300
+``TILEWISE_RETRIES``          ``--retries``                                  5
+``TILEWISE_CONCURRENCY``      ``--concurrency``                              2
+``TILEWISE_BACKOFF_BASE_S``   first retry delay before jitter                0.5
+``TILEWISE_BACKOFF_MAX_S``    largest retry delay (also caps Retry-After)    30
+============================  =============================================  =========
+
+The client reads no ``.env`` file; the server's variables (``TILEWISE_MODELS_DIR`` ...) are ignored.
+It never imports :mod:`service.settings`, so it needs neither FastAPI nor torch.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["ClientSettings"]
+
+
+class ClientSettings(BaseSettings):
+    """Frozen configuration of one batch run (connection, retries, concurrency).
+
+    Attributes:
+        url: server base URL, ``http(s)://host:port`` (a path prefix is kept).
+        api_key: API key, or ``None`` when the server needs none.
+        timeout_s: per-request limit for connecting, sending and waiting for each response chunk;
+            the server sends nothing until inference is done, so it must cover the slowest file.
+        retries: extra attempts per file after a connection error, a timeout, or a 502/503/504.
+        concurrency: files in flight at once.
+        backoff_base_s: first retry delay before jitter; doubles on each retry.
+        backoff_max_s: largest delay between two attempts (also caps ``Retry-After``).
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="TILEWISE_", frozen=True, extra="ignore", protected_namespaces=()
+    )
+
+    url: str
+    api_key: SecretStr | None = None
+    timeout_s: float = Field(default=300.0, gt=0)
+    retries: int = Field(default=5, ge=0)
+    concurrency: int = Field(default=2, ge=1)
+    backoff_base_s: float = Field(default=0.5, ge=0)
+    backoff_max_s: float = Field(default=30.0, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        """Require an absolute http(s) URL; drop a trailing slash."""
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"url={value!r} must start with http:// or https://")
+        return value.rstrip("/")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: object) -> object:
+        """An empty ``TILEWISE_API_KEY=`` means no key."""
+        if isinstance(value, str) and not value:
+            return None
+        return value

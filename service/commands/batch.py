@@ -1,0 +1,197 @@
+"""``tilewise batch``: run every image or volume of a folder through a tilewise server.
+
+The output tree mirrors the input tree, each output with the suffix of its format
+(``a/b/scan.nii.gz`` -> ``a/b/scan.nii.gz``, ``x/page.jpg`` -> ``x/page.tiff`` or ``.png``). Each
+output appears under its final name only when complete; a re-run skips outputs that exist. At the
+end a summary goes to stdout and ``OUTPUT_DIR/tilewise-report.json`` lists every input.
+
+Exit status: 0 when no file failed, 1 when some did, 2 when the run could not start (bad
+arguments, unknown model, wrong API key), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_BLENDS = ("constant", "gaussian", "hann", "triangular")
+_OUTPUTS = ("probabilities", "labels")
+_FORMATS = ("nii.gz", "nii", "png", "tiff", "npy")
+
+
+def _int_tuple(text: str) -> str:
+    """An int or comma-separated ints (``64`` or ``128,128,64``), kept as text for the query."""
+    parts = text.split(",")
+    if not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or comma-separated integers")
+    return ",".join(p.strip() for p in parts)
+
+
+def _halo(text: str) -> str:
+    """``auto`` or :func:`_int_tuple`."""
+    return "auto" if text.strip().lower() == "auto" else _int_tuple(text)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def register(sub: Any) -> None:
+    """Add the ``batch`` sub-command."""
+    parser = sub.add_parser(
+        "batch",
+        help="run a folder of images/volumes through a tilewise server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("input_dir", type=Path, metavar="INPUT_DIR", help="folder of inputs")
+    parser.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR", help="folder of outputs")
+    conn = parser.add_argument_group("server")
+    conn.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (env TILEWISE_URL)")
+    conn.add_argument("--model", required=True, help="model name, e.g. gaussian-3d")
+    conn.add_argument("--api-key", help="API key (env TILEWISE_API_KEY)")
+    conn.add_argument("--concurrency", type=_positive_int, help="files in flight at once (default: 2)")
+    conn.add_argument(
+        "--retries",
+        type=_non_negative_int,
+        help="retries per file after a connection error, timeout or 502/503/504, with exponential "
+        "backoff and jitter, honouring Retry-After (default: 5)",
+    )
+    conn.add_argument(
+        "--timeout",
+        type=_positive_float,
+        help="seconds to wait for a connection, a send or the answer of one file (default: 300)",
+    )
+    sel = parser.add_argument_group("files")
+    sel.add_argument(
+        "--pattern",
+        action="append",
+        default=[],
+        help="glob on the path relative to INPUT_DIR ('**' crosses folders; repeatable). Default: "
+        "every file whose content (or name) is NIfTI, PNG, JPEG or TIFF",
+    )
+    sel.add_argument(
+        "-r",
+        "--recursive",
+        action="store_true",
+        help="walk subfolders (implied by a pattern with '/' or '**')",
+    )
+    sel.add_argument("--overwrite", action="store_true", help="redo outputs that already exist")
+    sel.add_argument(
+        "--progress",
+        choices=("auto", "bar", "log"),
+        default="auto",
+        help="a progress bar (on a terminal by default) or one log line per file",
+    )
+    inf = parser.add_argument_group("inference (sent as query parameters; default: the model's)")
+    inf.add_argument("--tile", type=_int_tuple, help="tile shape, voxels: 64 or 128,128,64")
+    inf.add_argument("--halo", type=_halo, help="halo, voxels, or 'auto'")
+    inf.add_argument("--halo-tolerance", type=_positive_float, help="error accepted by halo=auto")
+    inf.add_argument("--overlap", type=_int_tuple, help="voxels shared by neighbouring cores")
+    inf.add_argument("--blend", choices=_BLENDS, help="blend window")
+    inf.add_argument("--batch-size", type=_positive_int, help="tiles per forward pass")
+    inf.add_argument("--output", choices=_OUTPUTS, help="probabilities or labels")
+    inf.add_argument("--format", choices=_FORMATS, help="output format (default follows the input)")
+    parser.set_defaults(run=_run)
+
+
+def query_params(args: argparse.Namespace) -> dict[str, str]:
+    """The inference options given on the command line, as HTTP query parameters."""
+    names = ("tile", "halo", "halo_tolerance", "overlap", "blend", "batch_size", "output", "format")
+    return {name: str(getattr(args, name)) for name in names if getattr(args, name) is not None}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from service.client import (
+        BatchOptions,
+        ClientError,
+        ClientSettings,
+        Status,
+        TilewiseClient,
+        run_batch,
+    )
+    from service.client.progress import make_progress
+
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # One line per file says it all; httpx's own INFO line per request would double it.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    given = {
+        "url": args.url,
+        "api_key": args.api_key,
+        "concurrency": args.concurrency,
+        "retries": args.retries,
+        "timeout_s": args.timeout,
+    }
+    try:
+        settings = ClientSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "missing" and field == "url":
+                logger.error("no server: pass --url URL or set TILEWISE_URL")
+            else:
+                logger.error("%s: %s", field, err["msg"])
+        return 2
+    options = BatchOptions(
+        input_dir=args.input_dir,
+        output_dir=args.output_dir,
+        model=args.model,
+        params=query_params(args),
+        patterns=tuple(args.pattern),
+        recursive=args.recursive,
+        overwrite=args.overwrite,
+    )
+    try:
+        with TilewiseClient(settings) as client:
+            outcome = run_batch(options, client, progress=make_progress(args.progress))
+    except KeyboardInterrupt:
+        logger.error("interrupted; the report lists what was done")
+        return 130
+    except (ClientError, NotADirectoryError, ValueError) as exc:
+        logger.error("batch not started: %s", exc)
+        return 2
+    done, skipped, failed = (outcome.count(s) for s in (Status.DONE, Status.SKIPPED, Status.FAILED))
+    for result in outcome.results:
+        if result.status is Status.FAILED:
+            logger.error("failed: %s: %s", result.input, result.error)
+    sent = done + failed
+    rate = sent / outcome.seconds if outcome.seconds > 0 else 0.0
+    sys.stdout.write(
+        f"done {done}, skipped {skipped}, failed {failed} in {outcome.seconds:.1f} s "
+        f"({rate:.2f} files/s); report: {outcome.report_path}\n"
+    )
+    sys.stdout.flush()
+    return 0 if outcome.ok else 1

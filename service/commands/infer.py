@@ -1,0 +1,110 @@
+"""``tilewise infer INPUT OUTPUT --model NAME``: one file through one model, in process.
+
+Uses the same codecs and pipeline as the server, so the output is identical to what
+``POST /v1/models/NAME/infer`` returns for the same file and options. The output format follows
+``--format``, else OUTPUT's suffix (``.nii.gz``, ``.nii``, ``.png``, ``.tif``/``.tiff``, ``.npy``),
+else the input (NIfTI in, ``nii.gz`` out; ``png`` for labels, ``tiff`` for probabilities). The
+output is written under a temporary name and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_SUFFIX_FORMATS = (
+    (".nii.gz", "nii.gz"),
+    (".nii", "nii"),
+    (".png", "png"),
+    (".tiff", "tiff"),
+    (".tif", "tiff"),
+    (".npy", "npy"),
+)
+
+
+def register(sub: Any) -> None:
+    """Add the ``infer`` sub-command."""
+    parser = sub.add_parser(
+        "infer",
+        help="run a model on one file in process (no server)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("input", type=Path, help="input file: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG or TIFF")
+    parser.add_argument("output", type=Path, help="output file")
+    parser.add_argument("--model", required=True, help="model name (see GET /v1/models)")
+    parser.add_argument("--tile", help="tile per axis in voxels: 128 or 128,128,64")
+    parser.add_argument("--halo", help="discarded margin per side in voxels, per axis, or 'auto'")
+    parser.add_argument("--halo-tolerance", help="max truncation error accepted by --halo auto")
+    parser.add_argument("--overlap", help="voxels shared by neighbouring tile cores")
+    parser.add_argument("--blend", help="constant, gaussian, hann or triangular")
+    parser.add_argument("--batch-size", help="tiles per forward pass")
+    parser.add_argument("--output", dest="output_kind", help="probabilities or labels")
+    parser.add_argument("--format", help="nii.gz, nii, png, tiff or npy (default: from OUTPUT's suffix)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: TILEWISE_DEVICE or auto)")
+    parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar over tiles")
+    parser.set_defaults(run=_run)
+
+
+def format_from_suffix(path: Path) -> str | None:
+    """The output format named by ``path``'s suffix, or ``None``."""
+    name = path.name.lower()
+    return next((fmt for suffix, fmt in _SUFFIX_FORMATS if name.endswith(suffix)), None)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from models import ModelError, ModelRepository
+    from service.codecs import OUTPUT_FORMATS, configure_pillow
+    from service.errors import ServiceError
+    from service.params import parse_params
+    from service.pipeline import run_file
+    from service.settings import Settings
+    from tiling import TilingError
+
+    overrides = {"models_dir": args.models, "device": args.device}
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    configure_pillow(settings.max_image_pixels)
+    raw = {
+        "tile": args.tile,
+        "halo": args.halo,
+        "halo_tolerance": args.halo_tolerance,
+        "overlap": args.overlap,
+        "blend": args.blend,
+        "batch_size": args.batch_size,
+        "output": args.output_kind,
+        "format": args.format or format_from_suffix(args.output),
+    }
+    if not args.input.is_file():
+        logger.error("input %s is not a file", args.input)
+        return 2
+    target: Path = args.output
+    stem = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        params = parse_params(raw)
+        model = ModelRepository(settings.models_dir, device=settings.device).get(args.model)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        result = run_file(model, args.input, stem, params, max_image_pixels=settings.max_image_pixels)
+        os.replace(result.path, target)
+    except (ServiceError, ModelError, TilingError) as exc:
+        logger.error("infer failed: %s", exc)
+        return 1
+    finally:
+        for suffix in OUTPUT_FORMATS.values():  # a failed write leaves no partial output behind
+            stem.with_name(stem.name + suffix).unlink(missing_ok=True)
+    logger.info(
+        "wrote %s (%s, %s %s, shape %s) in %.2f s",
+        target,
+        result.format,
+        result.output_kind,
+        result.output_dtype,
+        result.output_shape,
+        result.seconds,
+    )
+    return 0

@@ -1,0 +1,165 @@
+"""One inference executor per device: a worker thread fed by a bounded queue.
+
+The event loop never runs inference: a route submits a job and awaits it. When ``queue_size`` jobs
+are already waiting, :meth:`DeviceExecutor.submit` raises :class:`~service.errors.QueueFullError`
+at once (HTTP 503 with ``Retry-After``), so requests never pile up without bound. A job whose
+awaiting coroutine is cancelled before the job started (its client disconnected) is dropped
+from the queue and frees its slot immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from service.errors import QueueFullError
+
+__all__ = ["DeviceExecutor"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class DeviceExecutor:
+    """Runs jobs one at a time on a dedicated thread, with at most ``queue_size`` waiting.
+
+    Args:
+        device: the device this executor owns (for the thread name and logs).
+        queue_size: jobs allowed to wait while one runs (``0``: only the running one).
+        retry_after_s: the ``Retry-After`` hint carried by :class:`QueueFullError`.
+        on_depth: called with the number of queued plus running jobs whenever it changes.
+        after_job: called on the worker thread after each job (e.g. to release free memory).
+    """
+
+    def __init__(
+        self,
+        device: str,
+        queue_size: int,
+        *,
+        retry_after_s: int = 1,
+        on_depth: Callable[[int], None] | None = None,
+        after_job: Callable[[], object] | None = None,
+    ) -> None:
+        self.device = device
+        self.queue_size = queue_size
+        self.retry_after_s = retry_after_s
+        self._on_depth = on_depth
+        self._after_job = after_job
+        self._jobs: deque[tuple[concurrent.futures.Future[Any], Callable[[], Any]]] = deque()
+        self._running = 0
+        self._closed = False
+        self._lock = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name=f"tilewise-infer-{device}", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting plus the job running."""
+        with self._lock:
+            return len(self._jobs) + self._running
+
+    def has_room(self) -> bool:
+        """Whether a job submitted now would be accepted (a hint: it may change at once)."""
+        with self._lock:
+            return not self._closed and len(self._jobs) < self.queue_size + (1 - self._running)
+
+    def full_error(self) -> QueueFullError:
+        """The error for a full queue (with this executor's ``Retry-After`` hint)."""
+        return QueueFullError(
+            f"the {self.device} inference queue is full ({self.queue_size} waiting); "
+            f"retry in {self.retry_after_s} s",
+            retry_after_s=self.retry_after_s,
+        )
+
+    def _notify(self) -> None:
+        if self._on_depth is not None:
+            self._on_depth(len(self._jobs) + self._running)
+
+    def submit_future(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Queue ``fn``; returns a future. Cancelling it before it starts frees the slot.
+
+        Raises:
+            QueueFullError: ``queue_size`` jobs are already waiting.
+            RuntimeError: the executor is shut down.
+        """
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the inference executor is shut down")
+            # The running job holds no queue slot: an idle worker takes a job at once.
+            if len(self._jobs) >= self.queue_size + (1 - self._running):
+                raise self.full_error()
+            self._jobs.append((future, fn))
+            self._notify()
+            self._lock.notify()
+        future.add_done_callback(self._on_done)
+        return future
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Queue ``fn`` and await its result without blocking the event loop.
+
+        If the awaiting task is cancelled (client gone) while the job still waits, the job is
+        dropped; a job already running completes and its result is discarded.
+        """
+        future = self.submit_future(fn)
+        return await asyncio.wrap_future(future)
+
+    def _on_done(self, future: concurrent.futures.Future[Any]) -> None:
+        if not future.cancelled():
+            return
+        with self._lock:
+            for index, (queued, _) in enumerate(self._jobs):
+                if queued is future:
+                    del self._jobs[index]
+                    logger.info("dropped a queued job whose client went away")
+                    self._notify()
+                    break
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._closed:
+                    self._lock.wait()
+                if not self._jobs:
+                    return
+                future, fn = self._jobs.popleft()
+                if not future.set_running_or_notify_cancel():
+                    self._notify()
+                    continue
+                self._running = 1
+                self._notify()
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            finally:
+                with self._lock:
+                    self._running = 0
+                    self._notify()
+                # Drop references so a finished job's arrays are freed before the next one.
+                del future, fn
+                if self._after_job is not None:
+                    try:
+                        self._after_job()
+                    except Exception:
+                        logger.exception("after-job hook failed")
+
+    def shutdown(self, *, wait: bool = True) -> None:
+        """Stop accepting jobs, cancel the waiting ones and (optionally) join the worker."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._jobs)
+            self._jobs.clear()
+            self._lock.notify_all()
+        for future, _ in pending:
+            future.cancel()
+        if wait:
+            self._thread.join()

@@ -1,0 +1,218 @@
+"""One file through one model: decode, fit the layout to the model, run, encode.
+
+The server (in its executor thread) and ``tilewise infer`` both call :func:`run_file`, so their
+outputs are identical for the same file and parameters.
+
+Layout rules (DESIGN.md "Interfaces in detail"): a 2D image ``(C, H, W)`` goes to 2D models; a
+NIfTI ``(C, X, Y, Z)`` goes to 3D models, and also to 2D models when ``Z == 1`` (a single slice),
+the slice axis being restored on output. A 3D model refuses a true 2D image and a 2D model a 3D
+volume (:class:`~service.errors.UnusableInputError`, HTTP 422). A 4D NIfTI is accepted only by a
+model with as many input channels as it has volumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.codecs import OUTPUT_FORMATS, DecodedVolume, decode, default_format, encode
+from service.errors import BadParameterError, UnusableInputError
+from service.params import InferenceParams
+
+__all__ = ["InferenceResult", "MEDIA_TYPES", "fit_to_model", "plan_format", "run_file", "run_volume"]
+
+logger = logging.getLogger(__name__)
+
+#: Content types of the output formats.
+MEDIA_TYPES = {
+    "nii.gz": "application/gzip",
+    "nii": "application/octet-stream",
+    "png": "image/png",
+    "tiff": "image/tiff",
+    "npy": "application/octet-stream",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceResult:
+    """Where the output went and what it is."""
+
+    path: Path
+    format: str
+    media_type: str
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    output_dtype: str
+    output_kind: str
+    seconds: float
+    n_tiles: int | None
+
+
+def fit_to_model(volume: DecodedVolume, spec: Any) -> tuple[np.ndarray, bool]:
+    """The array to give the model, and whether a singleton slice axis was dropped for it.
+
+    Raises:
+        UnusableInputError: wrong dimensionality, a 4D NIfTI whose volume count differs from the
+            model's input channels, or data without a single finite value.
+    """
+    dims = int(spec.spatial_dims)
+    data = volume.data
+    dropped = False
+    if dims == 2 and volume.spatial_dims == 3:
+        if not volume.single_slice:
+            raise UnusableInputError(
+                f"model {spec.name!r} is 2D; the input is a 3D volume of spatial shape "
+                f"{volume.spatial_shape} (a NIfTI with one slice, (X, Y, 1), would be an image)"
+            )
+        data, dropped = data[..., 0], True
+    elif dims == 3 and volume.spatial_dims == 2:
+        raise UnusableInputError(
+            f"model {spec.name!r} is 3D; the input is a 2D {volume.kind.upper()} image of shape "
+            f"{volume.spatial_shape} (send a volume, or a NIfTI (X, Y, 1) for a one-slice volume)"
+        )
+    elif dims != volume.spatial_dims:
+        raise UnusableInputError(
+            f"model {spec.name!r} has {dims} spatial axes; the input has {volume.spatial_dims}"
+        )
+    if volume.kind == "nifti" and volume.channels > 1 and volume.channels != int(spec.in_channels):
+        raise UnusableInputError(
+            f"4D NIfTI with {volume.channels} volumes (shape {volume.info.get('shape')}); model "
+            f"{spec.name!r} takes {spec.in_channels} channel(s) of {dims}D data"
+        )
+    if data.dtype.kind == "f" and data.size and not np.isfinite(data).any():
+        raise UnusableInputError("the input holds no finite value (all NaN or infinite)")
+    return data, dropped
+
+
+def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, output_kind: str) -> str:
+    """The output format: the requested one, else the spec's default, else by input kind.
+
+    Raises:
+        BadParameterError: ``png`` for a 3D output.
+    """
+    fmt = params.format or getattr(spec.defaults, "format", None) or default_format(volume, output_kind)
+    if fmt not in OUTPUT_FORMATS:
+        raise BadParameterError(f"format={fmt!r} is not one of {list(OUTPUT_FORMATS)}")
+    if fmt == "png" and spec.spatial_dims != 2:
+        raise BadParameterError(f"format=png needs a 2D output; model {spec.name!r} is 3D (use nii.gz or tiff)")
+    return fmt
+
+
+def _options(params: InferenceParams, spec: Any) -> tuple[Any, Any]:
+    """``models.InferenceOptions`` from the parameters, and the same resolved against the spec.
+
+    Raises:
+        BadParameterError: a value the model's option validation refuses (count per axis, range).
+    """
+    from models import InferenceOptions
+
+    try:
+        options = InferenceOptions(**params.option_kwargs())
+        return options, options.resolve(spec)
+    except ValueError as exc:
+        raise BadParameterError(str(exc)) from exc
+
+
+def _count_tiles(spatial: tuple[int, ...], resolved: Any, spec: Any) -> int | None:
+    """Tiles of the plan for the metrics (``None`` when the halo is only known at run time)."""
+    from tiling import TileGrid
+
+    halo = getattr(resolved, "halo", 0)
+    if isinstance(halo, str) or halo is None:
+        return None
+    try:
+        grid = TileGrid.plan(
+            spatial,
+            resolved.tile,
+            halo,
+            overlap=resolved.overlap or 0,
+            alignment=spec.alignment,
+            scale=spec.scale,
+            blend=resolved.blend or "constant",
+        )
+    except ValueError:
+        return None
+    return int(grid.n_tiles)
+
+
+def run_volume(model: Any, volume: DecodedVolume, params: InferenceParams) -> tuple[np.ndarray, str, int | None]:
+    """Run ``model`` on a decoded volume; the result is on the volume's own grid.
+
+    Returns:
+        ``(array, output_kind, n_tiles)``: uint8 ``(*spatial)`` labels or float32
+        ``(C_out, *spatial)`` values with ``spatial == volume.spatial_shape``.
+    """
+    spec = model.spec
+    data, dropped = fit_to_model(volume, spec)
+    options, resolved = _options(params, spec)
+    output_kind = str(getattr(resolved, "output", None) or spec.output_kind)
+    n_tiles = _count_tiles(tuple(int(n) for n in data.shape[1:]), resolved, spec)
+    result = np.asarray(model.run(data, options))
+    if dropped:
+        result = result[..., None]
+    if output_kind == "labels":
+        result = result.astype(np.uint8, copy=False)
+    elif result.dtype != np.float32:
+        result = result.astype(np.float32)
+    return result, output_kind, n_tiles
+
+
+def run_file(
+    model: Any,
+    source: Path,
+    target_stem: Path,
+    params: InferenceParams,
+    *,
+    max_voxels: int | None = None,
+    max_image_pixels: int | None = None,
+) -> InferenceResult:
+    """Decode ``source``, run ``model``, write the output next to ``target_stem``.
+
+    Args:
+        model: a ``models.Model`` (``.spec``, ``.run``).
+        source: the input file (format detected by content).
+        target_stem: output path without suffix; the format's suffix is appended.
+        params: validated inference parameters.
+        max_voxels: voxel limit (413 beyond), checked from the header.
+        max_image_pixels: 2D pixel limit (decompression-bomb guard).
+    """
+    started = time.perf_counter()
+    volume = decode(source, max_voxels=max_voxels, max_image_pixels=max_image_pixels)
+    spec = model.spec
+    # The format is checked before the (long) run; layout and options in run_volume, also before.
+    provisional_kind = str(params.output or getattr(spec.defaults, "output", None) or spec.output_kind)
+    fmt = plan_format(volume, spec, params, provisional_kind)
+    array, output_kind, n_tiles = run_volume(model, volume, params)
+    if params.format is None and output_kind != provisional_kind:
+        fmt = plan_format(volume, spec, params, output_kind)
+    path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
+    encode(volume, array, fmt, path)
+    seconds = time.perf_counter() - started
+    logger.info(
+        "model=%s input=%s%s output=%s%s %s n_tiles=%s in %.3fs",
+        spec.name,
+        volume.kind,
+        tuple(volume.data.shape),
+        fmt,
+        tuple(array.shape),
+        array.dtype,
+        n_tiles,
+        seconds,
+    )
+    return InferenceResult(
+        path=path,
+        format=fmt,
+        media_type=MEDIA_TYPES[fmt],
+        input_shape=tuple(int(n) for n in volume.data.shape),
+        output_shape=tuple(int(n) for n in array.shape),
+        output_dtype=str(array.dtype),
+        output_kind=output_kind,
+        seconds=seconds,
+        n_tiles=n_tiles,
+    )
+

@@ -1,0 +1,143 @@
+"""Request bodies streamed to a temporary file, never wholly into memory, with a byte limit.
+
+The body is either the raw file (``curl --data-binary @scan.nii.gz``) or a multipart form whose
+field ``file`` holds it (``curl -F file=@scan.nii.gz``); multipart is parsed on the fly as chunks
+arrive. The limit is enforced while reading: a declared ``Content-Length`` over the limit is
+refused before a byte is read, and an undeclared (chunked) body is cut off as soon as it passes
+the limit. File writes run in worker threads, so the event loop never blocks on disk I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import anyio
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import Request
+
+from service.errors import BadParameterError, EmptyBodyError, PayloadTooLargeError
+
+__all__ = ["receive_upload"]
+
+logger = logging.getLogger(__name__)
+
+FILE_FIELD = "file"
+
+
+class _FilePart:
+    """Callbacks of python-multipart's push parser that keep the data of the ``file`` field."""
+
+    def __init__(self) -> None:
+        self.pending: list[bytes] = []
+        self.found = False
+        self.finished = False
+        self._active = False
+        self._field = b""
+        self._value = b""
+        self._headers: dict[bytes, bytes] = {}
+
+    def callbacks(self) -> dict[str, object]:
+        return {
+            "on_part_begin": self._part_begin,
+            "on_header_field": self._header_field,
+            "on_header_value": self._header_value,
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+        }
+
+    def _part_begin(self) -> None:
+        self._headers = {}
+        self._field = self._value = b""
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._field += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._value += data[start:end]
+
+    def _header_end(self) -> None:
+        self._headers[self._field.lower()] = self._value
+        self._field = self._value = b""
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._headers.get(b"content-disposition", b""))
+        if options.get(b"name") == FILE_FIELD.encode() and not self.found:
+            self.found = self._active = True
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._active:
+            self.pending.append(bytes(data[start:end]))
+
+    def _part_end(self) -> None:
+        if self._active:
+            self._active = False
+            self.finished = True
+
+
+def _too_large(received: int, limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"the upload is larger than max_upload_bytes={limit} (stopped reading after {received} bytes)"
+    )
+
+
+async def receive_upload(request: Request, path: Path, *, max_bytes: int) -> tuple[Path, int]:
+    """Stream the request's file to ``path``.
+
+    Returns:
+        ``(path, body_bytes)``: the file, and the number of body bytes received.
+
+    Raises:
+        PayloadTooLargeError: the body exceeds ``max_bytes`` (declared or counted).
+        EmptyBodyError: an empty body, or a multipart form without a non-empty ``file`` field.
+        BadParameterError: a multipart content type without a boundary.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLargeError(
+            f"Content-Length {declared} exceeds max_upload_bytes={max_bytes}; nothing was read"
+        )
+    content_type, options = parse_options_header(request.headers.get("content-type"))
+    parser: MultipartParser | None = None
+    part: _FilePart | None = None
+    if content_type == b"multipart/form-data":
+        boundary = options.get(b"boundary")
+        if not boundary:
+            raise BadParameterError("multipart/form-data without a boundary")
+        part = _FilePart()
+        parser = MultipartParser(boundary, part.callbacks())  # type: ignore[arg-type]
+    received = 0
+    written = 0
+    async with await anyio.open_file(path, "wb") as sink:
+        async for chunk in request.stream():
+            if not chunk:
+                continue
+            received += len(chunk)
+            if received > max_bytes:
+                raise _too_large(received, max_bytes)
+            if parser is None or part is None:
+                await sink.write(chunk)
+                written += len(chunk)
+                continue
+            try:
+                parser.write(chunk)
+            except MultipartParseError as exc:
+                raise BadParameterError(f"malformed multipart body: {exc}") from exc
+            for data in part.pending:
+                await sink.write(data)
+                written += len(data)
+            part.pending.clear()
+    if parser is not None and part is not None:
+        try:
+            parser.finalize()
+        except MultipartParseError as exc:
+            raise BadParameterError(f"malformed multipart body: {exc}") from exc
+        if not part.found:
+            raise EmptyBodyError(f"the multipart form has no field {FILE_FIELD!r}")
+    if written == 0:
+        raise EmptyBodyError("the request has an empty body: send the file (raw or as multipart field 'file')")
+    logger.info("received upload of %d bytes (%d file bytes)", received, written)
+    return path, received

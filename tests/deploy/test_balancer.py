@@ -1,0 +1,250 @@
+"""docker/nginx.conf in front of two real `tilewise serve` processes on 127.0.0.1.
+
+Each test gets its own pair of instances and its own nginx (the `cluster` fixture), since some kill
+an instance. Requests go through nginx the way clients send them: GET /v1/models and
+POST /v1/models/{name}/infer with the file as the body.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import nibabel as nib
+import numpy as np
+import pytest
+from scipy import ndimage
+
+from ._infra import NGINX_CONF, Cluster, Instance
+
+SMALL_MODEL = "gaussian-3d"
+
+
+@pytest.fixture(scope="module")
+def small_volume() -> tuple[bytes, np.ndarray]:
+    """An uncompressed NIfTI (24^3 float32, deterministic) and its oracle output."""
+    data = np.random.default_rng(0).random((24, 24, 24), dtype=np.float32)
+    image = nib.Nifti1Image(data, np.diag([1.5, 1.5, 2.0, 1.0]))
+    expected = ndimage.gaussian_filter(data, sigma=2.0, truncate=4.0, mode="constant")
+    return image.to_bytes(), expected
+
+
+def infer_url(base: str, model: str = SMALL_MODEL) -> str:
+    return f"{base}/v1/models/{model}/infer?format=nii"
+
+
+def decode(content: bytes) -> np.ndarray:
+    return np.asarray(nib.Nifti1Image.from_bytes(content).dataobj)
+
+
+def assert_correct(response: httpx.Response, expected: np.ndarray) -> None:
+    assert response.status_code == 200, response.text[:500]
+    out = decode(response.content).squeeze()
+    assert out.shape == expected.shape
+    # Gaussian smoothing of [0, 1) data in float32: the oracle agrees to ~1e-6; 1e-4 leaves margin.
+    np.testing.assert_allclose(out, expected, atol=1e-4)
+
+
+def max_fails() -> int:
+    match = re.search(r"server tilewise:8000 .*max_fails=(\d+)", NGINX_CONF.read_text())
+    assert match is not None
+    return int(match[1])
+
+
+def slow_body(data: bytes, pause_after: int, on_pause, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """Yield ``data`` in chunks; after ``pause_after`` chunks call ``on_pause()`` (the upload is
+    then in flight: nginx streams it to one instance, which has started reading it)."""
+    for i, start in enumerate(range(0, len(data), chunk)):
+        if i == pause_after:
+            on_pause()
+        yield data[start : start + chunk]
+
+
+def wait_for_request(cluster: Cluster, request_id: str, timeout: float = 30) -> Instance:
+    """The instance whose log shows ``request_id`` (nginx passes X-Request-ID through)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for inst in cluster.instances:
+            if request_id in inst.log_text():
+                return inst
+        time.sleep(0.05)
+    raise AssertionError(f"no instance logged request {request_id}")
+
+
+def test_requests_spread_over_both_and_request_id_passes_through(cluster, small_volume):
+    body, expected = small_volume
+    lb = cluster.balancer.url
+    models = httpx.get(f"{cluster.instances[0].url}/v1/models", timeout=30).json()
+    n_before = len(cluster.balancer.access_entries())
+    ids = []
+    with httpx.Client(timeout=60) as client:
+        for i in range(4):
+            rid = f"spread-{i}-{uuid.uuid4().hex[:8]}"
+            ids.append(rid)
+            response = client.get(f"{lb}/v1/models", headers={"X-Request-ID": rid})
+            assert response.status_code == 200 and response.json() == models
+            assert response.headers["X-Request-ID"] == rid
+            assert_correct(client.post(infer_url(lb), content=body), expected)
+    entries = cluster.balancer.access_entries()[n_before:]
+    used = [e["upstream"] for e in entries if "/v1/" in e["request"]]
+    addrs = [inst.addr for inst in cluster.instances]
+    # Sequential requests: least_conn ties, so nginx alternates.
+    for addr in addrs:
+        assert used.count(addr) >= 3, used
+    assert [e["rid"] for e in entries if e["request"].startswith("GET /v1/models")] == ids
+    # The instances saw the client's ids.
+    logs = "".join(inst.log_text() for inst in cluster.instances)
+    assert all(rid in logs for rid in ids)
+
+
+def sparse_nifti(path: Path, shape: tuple[int, ...], dtype: type) -> int:
+    """An uncompressed NIfTI of zeros written as a sparse file (header, then a hole)."""
+    header = nib.Nifti1Header()
+    header.set_data_dtype(dtype)
+    header.set_data_shape(shape)
+    header.set_qform(np.eye(4), code=1)
+    header.set_sform(np.eye(4), code=1)
+    offset = 352
+    header.set_data_offset(offset)
+    size = offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
+    with path.open("wb") as f:
+        f.write(header.binaryblock)
+        f.write(b"\0" * (offset - len(header.binaryblock)))
+        f.truncate(size)
+    return size
+
+
+def test_large_nifti_passes_through(cluster, tmp_path):
+    """A NIfTI of over 300 MB goes through nginx to an instance and back (1 GB volumes in service).
+
+    float64 zeros (8 bytes a voxel: the most bytes for the least work), 6144 x 6144 x 1 (a 2D
+    image as NIfTI, 302 MB), through gaussian-2d (a few seconds here). The instances run with
+    compose.yaml's limits (1 GiB uploads, 512 Mi voxels); the service's defaults (2 GiB, 1 Gi
+    voxels) would do as well.
+    """
+    shape = (6144, 6144, 1)
+    path = tmp_path / "big.nii"
+    size = sparse_nifti(path, shape, np.float64)
+    assert size >= 300 * 10**6
+    rid = f"large-{uuid.uuid4().hex[:8]}"
+    with path.open("rb") as f:
+        response = httpx.post(
+            f"{cluster.balancer.url}/v1/models/gaussian-2d/infer",
+            content=f,
+            headers={"Content-Length": str(size), "X-Request-ID": rid},
+            timeout=600,
+        )
+    assert response.status_code == 200, response.text[:500]
+    out = nib.Nifti1Image.from_bytes(gzip.decompress(response.content))
+    assert out.shape[:2] == shape[:2] and int(np.prod(out.shape)) == int(np.prod(shape))
+    assert not np.asarray(out.dataobj).any()
+    (entry,) = [e for e in cluster.balancer.access_entries() if e["rid"] == rid]
+    assert entry["status"] == "200"
+
+
+def test_sigterm_lets_the_in_flight_request_finish(cluster):
+    """SIGTERM while an upload is in flight: the instance finishes it, then exits; others serve.
+
+    Stops an instance of the module's cluster: keep this test after the others that use it.
+    """
+    lb = cluster.balancer.url
+    data = np.random.default_rng(1).random((64, 64, 64), dtype=np.float32)
+    big = nib.Nifti1Image(data, np.eye(4)).to_bytes()
+    rid = f"term-{uuid.uuid4().hex[:8]}"
+    stopped: list[Instance] = []
+
+    def terminate_receiver() -> None:
+        inst = wait_for_request(cluster, rid)
+        inst.proc.send_signal(signal.SIGTERM)
+        stopped.append(inst)
+        # uvicorn stops listening at once; the request keeps going.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{inst.url}/healthz", timeout=1)
+            except httpx.ConnectError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the instance still accepts connections after SIGTERM")
+
+    response = httpx.post(
+        infer_url(lb, "sobel-3d"),
+        content=slow_body(big, 1, terminate_receiver, chunk=256 * 1024),
+        headers={"X-Request-ID": rid, "Content-Length": str(len(big))},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text[:500]
+    axes = [ndimage.sobel(data, axis=a, mode="constant") for a in range(3)]
+    expected = np.sqrt(sum(a * a for a in axes))
+    # Gradient magnitude of [0, 1) data: values up to ~20; float32 rounding stays far below 1e-3.
+    np.testing.assert_allclose(decode(response.content).squeeze(), expected, atol=1e-3)
+    (inst,) = stopped
+    # uvicorn re-raises the signal after its graceful shutdown: exit status 0 or -SIGTERM.
+    assert inst.proc.wait(40) in (0, -signal.SIGTERM), inst.log_text()[-3000:]
+    assert "Application shutdown complete" in inst.log_text()
+    for _ in range(4):
+        assert httpx.get(f"{lb}/v1/models", timeout=30).status_code == 200
+
+
+def test_killed_instance(fresh_cluster, small_volume):
+    """Kill one instance during a run of sequential requests.
+
+    GETs keep answering correctly (nginx passes them on); a POST whose upload is cut off by the
+    dying instance gets a clean 502 that the client retries (nginx never replays a POST); POSTs
+    that find the instance gone before sending anything are passed on; and after max_fails
+    failures nginx stops sending to the dead instance.
+    """
+    cluster = fresh_cluster
+    body, expected = small_volume
+    lb = cluster.balancer.url
+    models = httpx.get(f"{lb}/v1/models", timeout=30).json()
+    # 1 MiB, sent in four chunks with a pause after the first: in flight when the instance dies.
+    big = nib.Nifti1Image(np.zeros((64, 64, 64), np.float32), np.eye(4)).to_bytes()
+    victim: list[Instance] = []
+    rid = f"kill-{uuid.uuid4().hex[:8]}"
+
+    def kill_receiver() -> None:
+        inst = wait_for_request(cluster, rid)
+        inst.proc.send_signal(signal.SIGKILL)
+        inst.proc.wait(10)
+        victim.append(inst)
+        time.sleep(0.2)
+
+    with httpx.Client(timeout=60) as client:
+        for _ in range(2):
+            assert client.get(f"{lb}/v1/models").json() == models
+            assert_correct(client.post(infer_url(lb), content=body), expected)
+        n_before = len(cluster.balancer.access_entries())
+
+        response = client.post(
+            infer_url(lb, "sobel-3d"),
+            content=slow_body(big, 1, kill_receiver, chunk=256 * 1024),
+            headers={"X-Request-ID": rid, "Content-Length": str(len(big))},
+        )
+        assert response.status_code == 502, response.text[:500]
+        assert response.json()["error"] == "bad_gateway"
+        assert response.headers["X-Request-ID"] == rid
+        # The client retries; nginx sends it to the live instance.
+        retry = client.post(infer_url(lb, "sobel-3d"), content=big)
+        assert retry.status_code == 200, retry.text[:500]
+
+        for _ in range(6):
+            response = client.get(f"{lb}/v1/models")
+            assert response.status_code == 200 and response.json() == models
+            assert_correct(client.post(infer_url(lb), content=body), expected)
+
+    (dead,) = victim
+    after = cluster.balancer.access_entries()[n_before:]
+    assert after[0]["rid"] == rid and after[0]["status"] == "502" and after[0]["upstream"] == dead.addr
+    touched = [e for e in after if dead.addr in e["upstream"]]
+    assert len(touched) <= max_fails(), [e["upstream"] for e in after]
+    # Once marked failed, nginx sends nothing more there (fail_timeout is longer than this test).
+    assert all(e["upstream"] != dead.addr for e in after[len(touched) :])
+    assert all(dead.addr not in e["upstream"] for e in after[-6:])

@@ -1,0 +1,212 @@
+"""Service units without a server: parameters, settings, the error mapping, the executor."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+
+import pytest
+from pydantic import ValidationError
+
+import service.errors as service_errors
+from service.errors import BadParameterError, QueueFullError, ServiceError
+from service.executor import DeviceExecutor
+from service.params import InferenceParams, parse_params
+
+# -- parameters -----------------------------------------------------------------------------------
+
+
+def test_parse_params_values() -> None:
+    params = parse_params(
+        {
+            "tile": "128,128,64",
+            "halo": "auto",
+            "overlap": "4",
+            "blend": "hann",
+            "batch_size": "2",
+            "output": "labels",
+            "format": ".NII.GZ",
+            "halo_tolerance": "1e-3",
+        }  # fmt: skip
+    )
+    assert params == InferenceParams(
+        tile=(128, 128, 64), halo="auto", halo_tolerance=1e-3, overlap=4, blend="hann", batch_size=2,
+        output="labels", format="nii.gz",
+    )  # fmt: skip
+    assert params.option_kwargs()["tile"] == (128, 128, 64) and "format" not in params.option_kwargs()
+    assert parse_params({"halo": "8,0", "tile": " ", "blend": None}) == InferenceParams(halo=(8, 0))
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        pytest.param({"tile": "0"}, "tile=0 must be >= 1", id="tile-0"),
+        pytest.param({"tile": "64,0"}, "tile[1]=0", id="tile-axis-0"),
+        pytest.param({"halo": "-1"}, "halo=-1 must be >= 0", id="halo-negative"),
+        pytest.param({"tile": "abc"}, "not an integer", id="tile-text"),
+        pytest.param({"overlap": "-2"}, "overlap=-2", id="overlap-negative"),
+        pytest.param({"batch_size": "0"}, "batch_size=0", id="batch-0"),
+        pytest.param({"batch_size": "2,2"}, "one integer", id="batch-tuple"),
+        pytest.param({"blend": "cosine"}, "blend='cosine'", id="blend"),
+        pytest.param({"output": "logits"}, "output='logits'", id="output"),
+        pytest.param({"format": "jpeg"}, "format='jpeg'", id="format"),
+        pytest.param({"halo_tolerance": "0"}, "halo_tolerance", id="tolerance-0"),
+        pytest.param({"halo_tolerance": "nan"}, "halo_tolerance", id="tolerance-nan"),
+        pytest.param({"tiles": "64"}, "unknown parameter", id="typo"),
+    ],
+)
+def test_parse_params_errors(raw: dict[str, str], fragment: str) -> None:
+    with pytest.raises(BadParameterError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        parse_params(raw)
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch, make_settings) -> None:
+    monkeypatch.setenv("TILEWISE_QUEUE_SIZE", "3")
+    monkeypatch.setenv("TILEWISE_MAX_UPLOAD_BYTES", "1000")
+    monkeypatch.setenv("TILEWISE_API_KEY", "s3cr3t-value")
+    monkeypatch.setenv("TILEWISE_DEVICE", "cuda:1")
+    settings = make_settings()
+    assert settings.queue_size == 3 and settings.max_upload_bytes == 1000
+    assert settings.api_key is not None and settings.api_key.get_secret_value() == "s3cr3t-value"
+    assert settings.device == "cuda:1"
+    assert "s3cr3t-value" not in repr(settings)
+    with pytest.raises(ValidationError):
+        settings.queue_size = 5  # frozen
+
+
+def test_settings_validation(monkeypatch: pytest.MonkeyPatch, make_settings) -> None:
+    assert make_settings().device is None and make_settings().api_key is None
+    monkeypatch.setenv("TILEWISE_API_KEY", "")
+    assert make_settings().api_key is None
+    for bad in ({"device": "tpu"}, {"queue_size": -1}, {"max_upload_bytes": 0}, {"max_voxel": 5}):
+        with pytest.raises(ValidationError):
+            make_settings(**bad)
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def _public_errors(module: object) -> list[type[BaseException]]:
+    return [obj for _, obj in inspect.getmembers(module, inspect.isclass) if issubclass(obj, Exception)]
+
+
+def test_every_public_exception_has_an_http_mapping() -> None:
+    """Meta-test: each exception of service, models and tiling maps to its documented status."""
+    from models import errors as model_errors
+    from service.http_errors import classify
+    from tiling import errors as tiling_errors
+
+    expected = {
+        "ServiceError": 500, "BadParameterError": 400, "EmptyBodyError": 400, "AuthenticationError": 401,
+        "UnsupportedMediaTypeError": 415, "DecodeError": 422, "UnusableInputError": 422,
+        "PayloadTooLargeError": 413, "JobNotFoundError": 404, "JobStateError": 409, "QueueFullError": 503,
+        "NotReadyError": 503, "ModelError": 500, "UnknownModelError": 404, "RegistryError": 500,
+        "SpecError": 500, "InputError": 422, "WeightsError": 500, "ChecksumMismatchError": 500,
+        "IncompatibleWeightsError": 500, "BackendError": 500, "BackendUnavailableError": 503,
+        "InferenceError": 500, "DeviceOutOfMemoryError": 503, "ExportError": 500, "TilingError": 500,
+        "GridError": 400, "ShapeMismatchError": 500, "CoverageError": 500, "AccumulatorStateError": 500,
+    }  # fmt: skip
+    classes = [*_public_errors(service_errors), *_public_errors(model_errors), *_public_errors(tiling_errors)]
+    assert {c.__name__ for c in classes} == set(expected)
+    for cls in classes:
+        exc = cls("boom") if cls is not QueueFullError else cls("boom", retry_after_s=4)
+        info = classify(exc)
+        assert info.status == expected[cls.__name__], cls
+        if info.status == 503:
+            assert int(info.headers["Retry-After"]) >= 0
+        if info.status == 500:
+            assert "boom" not in info.detail  # no internals to clients
+        else:
+            assert info.detail
+    assert classify(ValueError("x")).status == 500
+    assert all(issubclass(c, ServiceError) for c in _public_errors(service_errors))
+
+
+def test_service_errors_module_is_light() -> None:
+    """service.errors, service.params and the codecs never import torch or FastAPI."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, service.errors, service.params, service.codecs;"
+        "bad = [m for m in ('torch', 'fastapi', 'starlette') if m in sys.modules];"
+        "print(*bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- executor -------------------------------------------------------------------------------------
+
+
+def test_executor_bounds_its_queue_and_runs_in_order() -> None:
+    depths: list[int] = []
+    gate = threading.Event()
+    done: list[int] = []
+    executor = DeviceExecutor("cpu", 2, retry_after_s=7, on_depth=depths.append)
+    try:
+
+        def job(i: int) -> int:
+            gate.wait(10)
+            done.append(i)
+            return i * 10
+
+        first = executor.submit_future(lambda: job(0))
+        deadline = time.monotonic() + 5
+        while executor.depth != 1 or len(executor._jobs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        queued = [executor.submit_future(lambda i=i: job(i)) for i in (1, 2)]
+        assert not executor.has_room()
+        with pytest.raises(QueueFullError) as info:
+            executor.submit_future(lambda: job(3))
+        assert info.value.retry_after_s == 7
+        gate.set()
+        assert [f.result(10) for f in (first, *queued)] == [0, 10, 20]
+        assert done == [0, 1, 2] and max(depths) == 3 and depths[-1] == 0
+    finally:
+        executor.shutdown()
+
+
+def test_cancelled_waiting_job_frees_its_slot() -> None:
+    gate = threading.Event()
+    executor = DeviceExecutor("cpu", 1)
+    try:
+        running = executor.submit_future(lambda: gate.wait(10))
+        while executor._running == 0:
+            time.sleep(0.01)
+        waiting = executor.submit_future(lambda: "never")
+        assert not executor.has_room()
+        assert waiting.cancel()
+        assert executor.has_room() and executor.depth == 1
+        again = executor.submit_future(lambda: "ran")
+        gate.set()
+        assert running.result(10) is True and again.result(10) == "ran"
+    finally:
+        executor.shutdown()
+
+
+def test_executor_run_is_awaitable_and_propagates_errors() -> None:
+    executor = DeviceExecutor("cpu", 1)
+
+    def fail() -> None:
+        raise ValueError("bad input")
+
+    async def main() -> tuple[int, str]:
+        value = await executor.run(lambda: 41 + 1)
+        try:
+            await executor.run(fail)
+        except ValueError as exc:
+            return value, str(exc)
+        return value, ""
+
+    try:
+        assert asyncio.run(main()) == (42, "bad input")
+    finally:
+        executor.shutdown()
+    with pytest.raises(RuntimeError):
+        executor.submit_future(lambda: None)
