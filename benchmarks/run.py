@@ -78,6 +78,7 @@ class Mode:
     sweep_repeats: int
     instance: bool  # run the instance-norm variant
     torchio_modes: tuple[str, ...]
+    instance_torchio_modes: tuple[str, ...]
     monai_modes: tuple[str, ...]
     sweep_halos: tuple[int, ...]
     sweep_overlaps: tuple[float, ...]
@@ -94,13 +95,14 @@ class Mode:
 
 FULL = Mode(
     name="full",
-    spacing_mm=1.5,
+    spacing_mm=1.75,
     tile=96,
     halo=12,
     repeats=3,
     sweep_repeats=1,
     instance=True,
     torchio_modes=("crop", "average", "hann"),
+    instance_torchio_modes=("hann",),
     monai_modes=("constant", "gaussian"),
     sweep_halos=(0, 8, 16, 32),
     sweep_overlaps=(0.5, 0.75),
@@ -123,6 +125,7 @@ QUICK = Mode(
     sweep_repeats=1,
     instance=False,
     torchio_modes=("crop",),
+    instance_torchio_modes=("crop",),
     monai_modes=("constant",),
     sweep_halos=(),
     sweep_overlaps=(),
@@ -373,6 +376,20 @@ def make_runner(
 
         return run, warm_tile
 
+    if kind == "model-run":
+        from models.options import InferenceOptions
+        from models.repository import ModelRepository
+
+        model = ModelRepository(job["models_dir"], device="cpu").get(job["model_name"])
+        options = InferenceOptions(
+            tile=job.get("model_tile"), halo="auto", halo_tolerance=float(job.get("tolerance", 1e-4))
+        )
+
+        def run() -> Any:
+            return model.run(data, options)
+
+        return run, run  # the warm-up run also calibrates the halo (cached per model and tile)
+
     if kind == "tilewise":
         from tiling import tiled_inference
 
@@ -466,6 +483,17 @@ def tile_disagreement(predictor: Counted, data: Any, job: dict[str, Any]) -> dic
     return {"tile_disagreement_max": worst, "tile_disagreement_mean": total / max(count, 1)}
 
 
+def profile_run(run: Callable[[], Any], path: Path) -> str:
+    """One more run under the torch profiler; the top operators by self CPU time go to ``path``."""
+    import torch.profiler
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    path.write_text(table)
+    return str(path)
+
+
 def load_data(job: dict[str, Any]) -> Any:
     import numpy as np
 
@@ -541,14 +569,15 @@ def worker_main(job_path: str) -> int:
         peaks.append(mem.above_base)
         passes.append(predictor.items)
     out = to_numpy(y)
+    counted = job["kind"] != "model-run"  # Model.run calls its own predictor, not the counted one
     result: dict[str, Any] = {
         "times_s": times,
         "time_s": statistics.median(times),
         "peaks_bytes": peaks,
         "peak_mb": statistics.median(peaks) / MB,
-        "forward_passes": passes[-1],
+        "forward_passes": passes[-1] if counted else None,
         "warmup_s": warm_s,
-        "work": predictor.voxels / float(np.prod(data.shape[1:])),
+        "work": predictor.voxels / float(np.prod(data.shape[1:])) if counted else None,
         "out_shape": list(out.shape),
         "out_max_abs": float(np.abs(out).max()),
         "voxels": int(np.prod(data.shape[1:])),
@@ -560,39 +589,40 @@ def worker_main(job_path: str) -> int:
         result["max_abs"], result["mean_abs"] = abs_diff(out, ref)
     if job.get("disagreement"):
         result.update(tile_disagreement(predictor, data, job))
+    if job.get("profile"):
+        result["profile"] = profile_run(run, Path(job["profile"]))
     del y, out
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 
 
 def worker_inprocess(job: dict[str, Any]) -> dict[str, Any]:
-    """The service case in process: decode the file, ``Model.run``, encode (what the server does)."""
+    """The service case in process: ``service.pipeline.run_file`` (decode, ``Model.run``, encode),
+    the very function the server's executor calls, minus HTTP."""
     import torch
 
     torch.set_num_threads(int(job["threads"]))
-    from models.options import InferenceOptions
     from models.repository import ModelRepository
+    from service.params import parse_params
+    from service.pipeline import run_file
 
-    repo = ModelRepository(job["models_dir"], device="cpu")
-    model = repo.get(job["model_name"])
-    import nibabel as nib
-    import numpy as np
-
-    options = InferenceOptions(tile=int(job["tile"]), halo=int(job["halo"]), overlap=0)
-    img = nib.load(job["data"])
-    data = np.asarray(img.dataobj, dtype=np.float32)[None]
-    model.run(data[:, :32, :32, :32], options)  # warm-up
+    model = ModelRepository(job["models_dir"], device="cpu").get(job["model_name"])
+    params = parse_params(job["query"])
+    out_dir = Path(job["out_path"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):  # warm-up on a one-tile volume (TorchScript profiles its first calls)
+        run_file(model, Path(job["warm_data"]), out_dir / "warm", params)
     times = []
-    for _ in range(int(job["repeats"])):
+    for i in range(int(job["repeats"])):
         t0 = time.perf_counter()
-        img = nib.load(job["data"])
-        data = np.asarray(img.dataobj, dtype=np.float32)[None]
-        y = model.run(data, options)
-        out_img = nib.Nifti1Image(y.transpose(1, 2, 3, 0), img.affine)
-        out_path = Path(job["out_path"])
-        nib.save(out_img, out_path)
+        result = run_file(model, Path(job["data"]), out_dir / f"out{i}", params)
         times.append(time.perf_counter() - t0)
-    return {"times_s": times, "time_s": statistics.median(times), "out_shape": list(y.shape)}
+    return {
+        "times_s": times,
+        "time_s": statistics.median(times),
+        "out_shape": list(result.output_shape),
+        "forward_passes": result.n_tiles,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,24 +656,36 @@ def mni_volume(cache: Path, *, spacing_mm: float | None = None, cube: int | None
     return path
 
 
-def radiograph(cache: Path, models_dir: Path) -> Path:
-    """RG1_UNCR.dcm (pydicom-data), preprocessed by text-det-2d's spec: ``(3, H, W)`` float32 .npy."""
-    path = cache / "rg1_textdet.npy"
+def radiograph_raw(cache: Path) -> Path:
+    """RG1_UNCR.dcm (pydicom-data) as ``(1, H, W)`` float32, inverted (MONOCHROME1) to dark background."""
+    path = cache / "rg1_raw.npy"
     if path.exists():
         return path
     import numpy as np
     from pydicom import dcmread
     from pydicom.data import get_testdata_file
 
-    from models.preprocess import preprocess
-    from models.repository import ModelRepository
-
     ds = dcmread(get_testdata_file("RG1_UNCR.dcm"))
     x = ds.pixel_array.astype(np.float32)
     if getattr(ds, "PhotometricInterpretation", "") == "MONOCHROME1":
         x = x.max() - x
+    np.save(path, x[None])
+    return path
+
+
+def radiograph(cache: Path, models_dir: Path) -> Path:
+    """RG1_UNCR.dcm (pydicom-data), preprocessed by text-det-2d's spec: ``(3, H, W)`` float32 .npy."""
+    path = cache / "rg1_textdet.npy"
+    if path.exists():
+        return path
+    import numpy as np
+
+    from models.preprocess import preprocess
+    from models.repository import ModelRepository
+
+    x = np.load(radiograph_raw(cache))
     spec = ModelRepository(models_dir, device="cpu").spec(TEXT_DET)
-    y = preprocess(x[None], spec)
+    y = preprocess(x, spec)
     np.save(path, np.ascontiguousarray(y, dtype=np.float32))
     return path
 
@@ -725,12 +767,17 @@ class Bench:
         for line in reversed(proc.stdout.splitlines()):
             if line.startswith(RESULT_PREFIX):
                 return dict(json.loads(line[len(RESULT_PREFIX) :]))
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-        raise RuntimeError(f"worker exited with {proc.returncode}: " + " | ".join(tail))
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+        raise RuntimeError(f"worker exited with {proc.returncode}: " + " | ".join(t.strip() for t in tail))
 
     def add(self, case: str, contender: str, job: dict[str, Any], *, skip: str | None = None) -> Row:
+        if self.args.profile and case == "3d-batch" and job.get("kind") in ("monai", "tilewise", "whole"):
+            slug = "".join(c if c.isalnum() else "_" for c in contender).strip("_")[:40]
+            job = {**job, "profile": str(self.out / f"profile_{case}_{slug}.txt")}
         params = {
-            k: v for k, v in job.items() if k not in ("data", "reference", "save", "out_path", "models_dir")
+            k: v
+            for k, v in job.items()
+            if k not in ("data", "reference", "save", "out_path", "models_dir", "profile")
         }
         row = Row(case, contender, params)
         self.rows.append(row)
@@ -812,7 +859,7 @@ class Bench:
                     {**base, "kind": "monai", "overlap": overlap, "mode": mode},
                     skip=None if self.have_monai else "monai not installed",
                 )
-            for mode in m.torchio_modes:
+            for mode in m.torchio_modes if model == "unet-batch" else m.instance_torchio_modes:
                 self.add(
                     case,
                     f"TorchIO {mode}",
@@ -949,6 +996,17 @@ class Bench:
         self.add(
             "2d", f"tilewise halo {m.halo2d} (same stride)", {**base, "kind": "tilewise", "halo": m.halo2d}
         )
+        self.add(
+            "2d",
+            'tilewise Model.run: default plan (tile 1024), halo="auto" (1e-3), whole-image pooling context',
+            {
+                **base,
+                "kind": "model-run",
+                "model_name": TEXT_DET,
+                "tolerance": 1e-3,
+                "data": str(radiograph_raw(self.cache)),
+            },
+        )
         self.notes.append(
             f"2d case: RG1_UNCR.dcm ({_shape(data)}) through {TEXT_DET}'s raw ONNX predictor (no global-"
             f"pooling context), tile {m.tile2d}, tilewise halo {m.halo2d} = stride {stride} as MONAI "
@@ -1017,19 +1075,25 @@ class Bench:
             self.add("service", "all", {}, skip=f"cannot write the U-Net model spec: {exc}")
             return
         vol = np.load(mni_volume(self.cache, spacing_mm=m.spacing_mm))[0]
+        affine = np.diag([m.spacing_mm] * 3 + [1.0])
         nii = self.work / "service_in.nii"
-        nib.save(nib.Nifti1Image(vol, np.diag([m.spacing_mm] * 3 + [1.0])), nii)
-        params = {"model": name, "tile": m.tile, "halo": m.halo}
+        nib.save(nib.Nifti1Image(vol, affine), nii)
+        warm = self.work / "service_warm.nii"
+        nib.save(nib.Nifti1Image(np.ascontiguousarray(vol[: m.tile, : m.tile, : m.tile]), affine), warm)
+        query = {"tile": str(m.tile), "halo": str(m.halo), "overlap": "0", "format": "nii"}
+        params = {"model": name, "tile": m.tile, "halo": m.halo, "format": "nii"}
         row = self.add(
             "service",
-            "in process (decode + Model.run + encode)",
+            "in process (service.pipeline.run_file)",
             {
                 **params,
                 "kind": "inprocess",
                 "model_name": name,
                 "models_dir": str(models_dir),
                 "data": str(nii),
-                "out_path": str(self.work / "inproc_out.nii"),
+                "warm_data": str(warm),
+                "query": query,
+                "out_path": str(self.work / "inproc_out"),
             },
         )
         if row.status != "ok":
@@ -1060,9 +1124,9 @@ class Bench:
                 srow.status, srow.note = "failed", "server not ready: " + _tail(self.work / "serve.log")
                 return
             body = nii.read_bytes()
-            query = f"tile={m.tile}&halo={m.halo}&overlap=0&format=nii"
-            target = f"{url}/v1/models/{name}/infer?{query}"
-            _post(target, body)  # warm-up (the server also warms up at start)
+            target = f"{url}/v1/models/{name}/infer?" + "&".join(f"{k}={v}" for k, v in query.items())
+            for _ in range(2):  # warm-up, as in process
+                _post(target, warm.read_bytes())
             times = []
             size = 0
             for _ in range(m.repeats):
@@ -1381,7 +1445,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 extra.append("runs " + "/".join(f"{t:.2f}" for t in r["times_s"]))
             note = "; ".join(filter(None, [note.replace("|", "/"), *extra]))
             lines.append(
-                f"| {r['contender']} | {r.get('forward_passes', '-')} | {_fmt(r.get('work'), '.2f')} | "
+                f"| {r['contender']} | {r.get('forward_passes') or '-'} | {_fmt(r.get('work'), '.2f')} | "
                 f"{_fmt(r.get('time_s'), '.2f')} | "
                 f"{_fmt(r.get('ratio_whole'), '.2f')} | {_fmt(r.get('us_per_voxel'), '.2f')} | "
                 f"{_fmt(r.get('peak_mb'), '.0f')} | {_fmt(r.get('max_abs'), '.3g')} | "
@@ -1550,7 +1614,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cases", default=None, help="comma-separated subset of: 3d,sweep,shallow,2d,scaling,service"
     )
+    p.add_argument("--profile", action="store_true", help="torch-profile the 3D contenders (one more run)")
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds per worker before it is killed")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="override a mode field, e.g. --set spacing_mm=2.0 --set 'scaling_sizes=[64,128]'",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -1560,8 +1632,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         return worker_main(args.worker)
     mode = QUICK if args.quick else FULL
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in Mode.__dataclass_fields__:
+            print(
+                f"--set: unknown field {key!r}; known: {', '.join(Mode.__dataclass_fields__)}",
+                file=sys.stderr,
+            )
+            return 2
+        parsed = json.loads(value) if value[:1] in "[{0123456789-tfn" else value
+        overrides[key] = tuple(parsed) if isinstance(parsed, list) else parsed
     if args.repeats is not None:
-        mode = Mode(**{**mode.__dict__, "repeats": max(1, args.repeats)})
+        overrides["repeats"] = max(1, args.repeats)
+    mode = Mode(**{**mode.__dict__, **overrides})
     cases = tuple(c.strip() for c in args.cases.split(",")) if args.cases else mode.cases
     bench = Bench(args, mode)
     bench.log(f"mode {mode.name}, cases {', '.join(cases)}, threads {args.threads}, work {bench.work}")

@@ -73,7 +73,12 @@ class AnalyticNet(nn.Module):
     """
 
     def __init__(
-        self, kind: str, spatial_dims: int, *, sigma: float = DEFAULT_SIGMA, truncate: float = DEFAULT_TRUNCATE
+        self,
+        kind: str,
+        spatial_dims: int,
+        *,
+        sigma: float = DEFAULT_SIGMA,
+        truncate: float = DEFAULT_TRUNCATE,
     ) -> None:
         super().__init__()
         if kind not in ANALYTIC_KINDS:

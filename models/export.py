@@ -40,8 +40,14 @@ def _parity_input(in_channels: int, shape: Sequence[int], seed: int) -> torch.Te
 
 
 def _check(report: ExportReport, name: str) -> ExportReport:
-    logger.info("exported %s to %s: max abs difference %.3g (atol %g) on %s", name, report.path,
-                report.max_abs_diff, report.atol, report.parity_shape)  # fmt: skip
+    logger.info(
+        "exported %s to %s: max abs difference %.3g (atol %g) on %s",
+        name,
+        report.path,
+        report.max_abs_diff,
+        report.atol,
+        report.parity_shape,
+    )
     if not report.max_abs_diff <= report.atol:
         raise ExportError(
             f"{name}: exported model differs from eager by {report.max_abs_diff:.3g} > atol {report.atol:g} "
@@ -88,7 +94,9 @@ def export_onnx(
     try:
         import onnxruntime as ort
     except ImportError as exc:
-        raise BackendUnavailableError("ONNX export needs onnxruntime (tilewise[cpu]) for its parity check") from exc
+        raise BackendUnavailableError(
+            "ONNX export needs onnxruntime (tilewise[cpu]) for its parity check"
+        ) from exc
     start = time.perf_counter()
     module = module.eval().cpu()
     export_shape = tuple(int(s) for s in export_shape)
@@ -104,14 +112,23 @@ def export_onnx(
             # torch.export and onnxscript emit Deprecation/FutureWarnings about their own internals.
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                module, (example,), None, input_names=["input"], output_names=["output"],
-                opset_version=opset, dynamo=True, dynamic_shapes={"x": auto} if _arg_name(module) == "x" else (auto,),
-                external_data=False, verbose=False,
-            )  # fmt: skip
+                module,
+                (example,),
+                None,
+                input_names=["input"],
+                output_names=["output"],
+                opset_version=opset,
+                dynamo=True,
+                dynamic_shapes={"x": auto} if _arg_name(module) == "x" else (auto,),
+                external_data=False,
+                verbose=False,
+            )
             assert program is not None
             program.save(str(path), external_data=False)
     except ImportError as exc:
-        raise BackendUnavailableError(f"{name}: ONNX export needs onnx and onnxscript (tilewise[export])") from exc
+        raise BackendUnavailableError(
+            f"{name}: ONNX export needs onnx and onnxscript (tilewise[export])"
+        ) from exc
     except Exception as exc:  # torch.export raises many types
         raise ExportError(f"{name}: ONNX export failed: {exc}") from exc
     x = _parity_input(in_channels, parity, seed=0)
@@ -174,7 +191,9 @@ def export_torchscript(
     return _check(report, name)
 
 
-def onnx_spec_mapping(spec: ModelSpec, onnx_path: Path, sha256: str, *, name: str | None = None) -> dict[str, Any]:
+def onnx_spec_mapping(
+    spec: ModelSpec, onnx_path: Path, sha256: str, *, name: str | None = None
+) -> dict[str, Any]:
     """A spec mapping for the ONNX export of ``spec`` (same channels, preprocessing and defaults)."""
     d = spec.defaults
     return {

@@ -147,8 +147,12 @@ class GlobalPoolingPredictor(OrtPredictor):
             self._stage_sessions.append((session, features, [n.output[0] for n in stage]))
         self.context: dict[str, Array] | None = None
         self.logits_name = outputs[1] if len(outputs) > 1 else None
-        logger.info("model %s: %d global pools in %d stages read whole-image means", self.name, len(pools),
-                    len(stages))  # fmt: skip
+        logger.info(
+            "model %s: %d global pools in %d stages read whole-image means",
+            self.name,
+            len(pools),
+            len(stages),
+        )
         return self
 
     def _forward(self, batch: torch.Tensor) -> torch.Tensor:
@@ -208,7 +212,9 @@ class GlobalPoolingPredictor(OrtPredictor):
         extent = tuple(-(-s // align) * align for s in spatial)
         padded = np.zeros((x.shape[0], *extent), dtype=np.float32)
         padded[(slice(None), *(slice(0, s) for s in spatial))] = x
-        tile_shape = tuple(extent) if tile is None else tuple(min(t, e) for t, e in zip(tile, extent))
+        tile_shape = (
+            tuple(extent) if tile is None else tuple(min(t, e) for t, e in zip(tile, extent, strict=False))
+        )
         grid = TileGrid.plan(extent, tile_shape, tuple(halo or (0,) * len(extent)), alignment=align)
         tiles = list(grid.tiles())
         feeds: dict[str, Array] = {}
@@ -216,28 +222,47 @@ class GlobalPoolingPredictor(OrtPredictor):
             sums: list[Array | None] = [None] * len(features)
             for b in range(0, len(tiles), batch_size):
                 chunk = tiles[b : b + batch_size]
-                reads = [tuple(slice(s, s + t) for s, t in zip(tl.starts, grid.used_tile_shape)) for tl in chunk]
+                reads = [
+                    tuple(slice(s, s + t) for s, t in zip(tl.starts, grid.used_tile_shape, strict=False))
+                    for tl in chunk
+                ]
                 batch = np.stack([padded[(slice(None), *r)] for r in reads])
                 wanted = {i.name for i in session.get_inputs()}
-                maps = session.run(features, {self.input_name: batch, **{k: v for k, v in feeds.items() if k in wanted}})
+                maps = session.run(
+                    features, {self.input_name: batch, **{k: v for k, v in feeds.items() if k in wanted}}
+                )
                 for j, fmap in enumerate(maps):
                     for k, tl in enumerate(chunk):
                         cut = []
-                        for axis, (crop, t) in enumerate(zip(tl.crop, grid.used_tile_shape)):
+                        for axis, (crop, t) in enumerate(zip(tl.crop, grid.used_tile_shape, strict=False)):
                             stride = t // fmap.shape[2 + axis]
                             cut.append(slice(crop.start // stride, crop.stop // stride))
-                        part = fmap[(k, slice(None), *cut)].sum(axis=tuple(range(1, fmap.ndim - 1)), dtype=np.float64)
+                        part = fmap[(k, slice(None), *cut)].sum(
+                            axis=tuple(range(1, fmap.ndim - 1)), dtype=np.float64
+                        )
                         sums[j] = part if sums[j] is None else sums[j] + part
-            for j, (feature, name) in enumerate(zip(features, pooled)):
+            for j, (_feature, name) in enumerate(zip(features, pooled, strict=False)):
                 stride = tile_shape[0] // maps[j].shape[2]
-                n_voxels = int(np.prod([e // (t // m) for e, t, m in zip(extent, tile_shape, maps[j].shape[2:])]))
+                n_voxels = int(
+                    np.prod(
+                        [
+                            e // (t // m)
+                            for e, t, m in zip(extent, tile_shape, maps[j].shape[2:], strict=False)
+                        ]
+                    )
+                )
                 assert sums[j] is not None and stride >= 1
                 mean = (sums[j] / n_voxels).astype(np.float32)
                 feeds[name] = mean.reshape(1, -1, *([1] * len(extent)))
         self.context = feeds
         self.set_extra_feeds(feeds)
-        logger.info("model %s: whole-image pool means from %d tiles x %d stages in %.2f s", self.name,
-                    len(tiles), len(self._stage_sessions), time.perf_counter() - start)  # fmt: skip
+        logger.info(
+            "model %s: whole-image pool means from %d tiles x %d stages in %.2f s",
+            self.name,
+            len(tiles),
+            len(self._stage_sessions),
+            time.perf_counter() - start,
+        )
         return feeds
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiling.errors import GridError
-
 from models.errors import InputError
 from models.spec import BLENDS, OUTPUT_KINDS, ModelSpec
+from tiling.errors import GridError
 
 __all__ = ["InferenceOptions", "ResolvedOptions"]
 

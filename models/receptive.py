@@ -88,6 +88,7 @@ def probe_receptive_field(
     batch_size: int = 3,
     seed: int = 0,
     base: npt.NDArray[np.float32] | None = None,
+    quiet: bool = False,
 ) -> ReceptiveField:
     """Measure the receptive-field radius per axis with single-voxel perturbations.
 
@@ -104,6 +105,7 @@ def probe_receptive_field(
         batch_size: inputs per predictor call (the unperturbed one included).
         seed: seed of the random probe input.
         base: the probe input ``(1, C_in, *probe_shape)`` itself, instead of a random one.
+        quiet: log at DEBUG only (for callers that probe repeatedly).
 
     Returns:
         The measured :class:`ReceptiveField`.
@@ -145,22 +147,25 @@ def probe_receptive_field(
                 if lo == 0 or hi >= shape[a] - 1:
                     bounded = False
     result = ReceptiveField(tuple(radius), shape, bounded, time.perf_counter() - start)
+    level = logging.DEBUG if quiet else logging.INFO
     if not bounded:
-        logger.warning("receptive-field probe reached the edge of %s: radius %s is a lower bound", shape, radius)
-    logger.info("receptive field radius %s (probe %s, %.2f s)", result.radius, shape, result.seconds)
+        logger.log(
+            level, "receptive-field probe reached the edge of %s: radius %s is a lower bound", shape, radius
+        )
+    logger.log(level, "receptive field radius %s (probe %s, %.2f s)", result.radius, shape, result.seconds)
     return result
 
 
-def _synthetic_sample(
-    shape: tuple[int, ...], channels: int, seed: int
-) -> npt.NDArray[np.float32]:
+def _synthetic_sample(shape: tuple[int, ...], channels: int, seed: int) -> npt.NDArray[np.float32]:
     """Smooth random structure plus noise, in roughly unit range: a stand-in for real data."""
     rng = np.random.default_rng(seed)
     coarse = rng.standard_normal((channels, *[max(2, s // 8) for s in shape])).astype(np.float32)
     x = torch.nn.functional.interpolate(
-        torch.from_numpy(coarse)[None], size=shape, mode="linear" if len(shape) == 1 else
-        ("bilinear" if len(shape) == 2 else "trilinear"), align_corners=False,
-    )[0].numpy()  # fmt: skip
+        torch.from_numpy(coarse)[None],
+        size=shape,
+        mode="linear" if len(shape) == 1 else ("bilinear" if len(shape) == 2 else "trilinear"),
+        align_corners=False,
+    )[0].numpy()
     return (x + 0.3 * rng.standard_normal(x.shape).astype(np.float32)).astype(np.float32)
 
 
@@ -177,15 +182,17 @@ def calibrate_halo(
 ) -> HaloCalibration:
     """The smallest halo whose truncation error on a tile's core is within ``tolerance``.
 
-    Tiles of ``tile_shape`` are placed in the sample's interior; each is run alone and inside a
-    context window ``max_halo`` voxels larger on every side (clipped to the sample). For every
-    candidate ``h`` the error is the max abs difference on ``tile[h : T - h]`` (all axes).
+    The whole sample runs once (it is the context: pass one about ``tile + 2 * max_halo`` per
+    axis; larger costs more); tiles of ``tile_shape`` placed in it (the centre first, then at
+    random aligned origins) run alone. For every candidate ``h`` the error is the max abs
+    difference on ``tile[h : T - h]`` (all axes).
 
     Args:
         predictor: a :class:`~models.Predictor`.
         tile_shape: the tile shape (voxels per axis, multiples of the alignment).
         tolerance: accepted max abs truncation error (after ``activation``).
-        sample: preprocessed ``(C_in, *spatial)`` float32 data; default a synthetic sample.
+        sample: preprocessed ``(C_in, *spatial)`` float32 data, at least ``tile_shape``; default a
+            synthetic sample of ``tile + 2 * max_halo`` (rounded up to the alignment).
         max_halo: largest halo considered and the context margin (default: half the smallest
             tile side, minus one).
         n_tiles: tile placements sampled.
@@ -206,28 +213,26 @@ def calibrate_halo(
     margin_al = _round_up(margin, align)
     if sample is None:
         sample = _synthetic_sample(tuple(t + 2 * margin_al for t in tile), int(predictor.in_channels), seed)
-    spatial = sample.shape[1:]
+    spatial = tuple(_round_up(s, align) for s in sample.shape[1:])
+    padded = _window(sample, [0] * ndim, spatial)
+    ref_all = _run(predictor, padded[None], 1)[0]  # the sample is the context of every tile
+    if activation is not None:
+        ref_all = activation(torch.from_numpy(ref_all)).numpy()
     rng = np.random.default_rng(seed)
     errors = np.zeros(margin + 1)
-    for _ in range(n_tiles):
+    for k in range(n_tiles):
         origin = []
         for a in range(ndim):
-            hi = max(0, spatial[a] - tile[a])
-            lo_c, hi_c = min(margin_al, hi), max(min(margin_al, hi), hi - margin_al)
-            origin.append(int(rng.integers(lo_c, hi_c + 1)) // align * align)
-        ctx_lo = [max(0, o - margin_al) for o in origin]
-        ctx_hi = [min(s, o + t + margin_al) for s, o, t in zip(spatial, origin, tile)]
-        ctx_hi = [lo + _round_up(hi - lo, align) for lo, hi in zip(ctx_lo, ctx_hi)]
-        context = _window(sample, ctx_lo, ctx_hi)
-        alone = _window(sample, origin, [o + t for o, t in zip(origin, tile)])
-        ref = _run(predictor, context[None], 1)[0]
+            free = max(0, spatial[a] - tile[a])
+            # first the centre (context on every side), then random aligned placements
+            pick = free // 2 if k == 0 else int(rng.integers(0, free + 1))
+            origin.append(pick // align * align)
+        alone = _window(padded, origin, [o + t for o, t in zip(origin, tile, strict=True)])
         got = _run(predictor, alone[None], 1)[0]
         if activation is not None:
-            ref = activation(torch.from_numpy(ref)).numpy()
             got = activation(torch.from_numpy(got)).numpy()
-        inner = tuple(
-            slice((o - c) * scale, (o - c + t) * scale) for o, c, t in zip(origin, ctx_lo, tile)
-        )
+        inner = tuple(slice(o * scale, (o + t) * scale) for o, t in zip(origin, tile, strict=True))
+        ref = ref_all
         diff = np.abs(got - ref[(slice(None), *inner)]).max(axis=0)
         # distance (input voxels) of every output voxel to the nearest tile edge
         dist = np.full(diff.shape, np.iinfo(np.int64).max, dtype=np.int64)
@@ -243,20 +248,30 @@ def calibrate_halo(
     met = ok.size > 0
     halo = int(ok[0]) if met else margin
     result = HaloCalibration(
-        halo, float(errors[halo]), tolerance, {h: float(e) for h, e in enumerate(errors)}, met,
+        halo,
+        float(errors[halo]),
+        tolerance,
+        {h: float(e) for h, e in enumerate(errors)},
+        met,
         time.perf_counter() - start,
-    )  # fmt: skip
+    )
     if not met:
         logger.warning("no halo up to %d meets tolerance %g (error %g)", margin, tolerance, errors[halo])
-    logger.info("calibrated halo %d (error %.3g <= %g: %s, %.2f s)", halo, errors[halo], tolerance, met,
-                result.seconds)  # fmt: skip
+    logger.info(
+        "calibrated halo %d (error %.3g <= %g: %s, %.2f s)",
+        halo,
+        errors[halo],
+        tolerance,
+        met,
+        result.seconds,
+    )
     return result
 
 
 def _window(x: npt.NDArray[np.float32], lo: Sequence[int], hi: Sequence[int]) -> npt.NDArray[np.float32]:
     """``x[:, lo:hi]`` with zero padding where ``hi`` exceeds the array (alignment rounding)."""
-    region = x[(slice(None), *(slice(a, b) for a, b in zip(lo, hi)))]
-    want = [b - a for a, b in zip(lo, hi)]
+    region = x[(slice(None), *(slice(a, b) for a, b in zip(lo, hi, strict=False)))]
+    want = [b - a for a, b in zip(lo, hi, strict=False)]
     if list(region.shape[1:]) == want:
         return np.ascontiguousarray(region, dtype=np.float32)
     out = np.zeros((x.shape[0], *want), dtype=np.float32)

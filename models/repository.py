@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from models.backends import BasePredictor, load_predictor
 from models.errors import RegistryError, UnknownModelError
-from models.options import InferenceOptions
+from models.options import InferenceOptions, ResolvedOptions
 from models.preprocess import make_reduce, preprocess
 from models.receptive import (
     HaloCalibration,
@@ -56,6 +56,7 @@ class Model:
         self.spec = spec
         self.predictor = predictor
         self._lock = threading.Lock()
+        self._run_lock = threading.Lock()
         self._probe: ReceptiveField | None = None
         self._halos: dict[tuple[tuple[int, ...], float], HaloCalibration] = {}
 
@@ -79,17 +80,37 @@ class Model:
                     if self._probe.bounded or size >= _MAX_PROBE[ndim]:
                         break
                     size = min(2 * size, _MAX_PROBE[ndim])
-                logger.info("model %s: receptive field %s (bounded %s)", self.spec.name, self._probe.radius,
-                            self._probe.bounded)  # fmt: skip
+                logger.info(
+                    "model %s: receptive field %s (bounded %s)",
+                    self.spec.name,
+                    self._probe.radius,
+                    self._probe.bounded,
+                )
             return self._probe.radius
 
     def _probe_once(self, size: int) -> ReceptiveField:
-        shape = [-(-size // self.spec.alignment) * self.spec.alignment] * self.spec.spatial_dims
-        base = probe_input(self.predictor, shape)
-        frozen = getattr(self.predictor, "frozen_context", None)
-        with frozen(base[0]) if frozen is not None else contextlib.nullcontext():
-            view = getattr(self.predictor, "logit_view", None)
-            return probe_receptive_field(view() if view is not None else self.predictor, base=base)
+        """Probe each axis with an input long on it (``size``) and narrow on the others.
+
+        A conv stack's reach along one axis does not need width on the others (the straight
+        path exists), so a band costs a fraction of a square probe; in 3-D, far less.
+        """
+        ndim, align = self.spec.spatial_dims, self.spec.alignment
+        long = -(-size // align) * align
+        narrow = -(-min(size, max(32, 4 * align)) // align) * align
+        radius, bounded, seconds = [], True, 0.0
+        for axis in range(ndim):
+            shape = [long if a == axis else narrow for a in range(ndim)]
+            base = probe_input(self.predictor, shape)
+            frozen = getattr(self.predictor, "frozen_context", None)
+            with frozen(base[0]) if frozen is not None else contextlib.nullcontext():
+                view = getattr(self.predictor, "logit_view", None)
+                target = view() if view is not None else self.predictor
+                result = probe_receptive_field(target, base=base, batch_size=5, quiet=True)
+            radius.append(result.radius[axis])
+            # the band's own narrow axes always look unbounded; only the long axis counts
+            bounded = bounded and result.radius[axis] < min(shape[axis] // 2 - 1, size // 2 - 1)
+            seconds += result.seconds
+        return ReceptiveField(tuple(radius), (long,) * ndim, bounded, seconds)
 
     def calibrate(
         self, tile: Sequence[int], tolerance: float, sample: npt.NDArray[np.float32] | None = None
@@ -114,14 +135,23 @@ class Model:
         frozen = getattr(self.predictor, "frozen_context", None)
         with frozen(sample) if (frozen is not None and sample is not None) else contextlib.nullcontext():
             result = calibrate_halo(
-                self.predictor, key[0], tolerance=tolerance * self.CALIBRATION_SAFETY, sample=sample,
+                self.predictor,
+                key[0],
+                tolerance=tolerance * self.CALIBRATION_SAFETY,
+                sample=sample,
                 max_halo=max_halo,
-                activation=activation, n_tiles=2,
-            )  # fmt: skip
+                activation=activation,
+                n_tiles=2,
+            )
         with self._lock:
             self._halos[key] = result
-        logger.info("model %s: tile %s tolerance %g -> calibrated halo %d", self.spec.name, key[0],
-                    tolerance, result.halo)  # fmt: skip
+        logger.info(
+            "model %s: tile %s tolerance %g -> calibrated halo %d",
+            self.spec.name,
+            key[0],
+            tolerance,
+            result.halo,
+        )
         return result
 
     def resolve_halo(
@@ -131,12 +161,12 @@ class Model:
         if halo != "auto":
             return tuple(int(h) for h in halo)
         spatial = x.shape[1:]
-        if all(s <= t for s, t in zip(spatial, tile)):
+        if all(s <= t for s, t in zip(spatial, tile, strict=False)):
             return (0,) * len(tile)  # one tile covers the image: no seam to protect
         radius = self.receptive_field()
-        sample = x if all(s >= t for s, t in zip(spatial, tile)) else None
+        sample = x if all(s >= t for s, t in zip(spatial, tile, strict=False)) else None
         calibrated = self.calibrate(tile, tolerance, sample).halo
-        return tuple(min(calibrated, r, t // 2 - 1) for r, t in zip(radius, tile))
+        return tuple(min(calibrated, r, t // 2 - 1) for r, t in zip(radius, tile, strict=False))
 
     def run(
         self,
@@ -166,29 +196,66 @@ class Model:
             GridError: an invalid tile, halo, overlap, blend or batch size.
             InferenceError: the backend failed (``DeviceOutOfMemoryError`` when out of memory).
         """
-        from tiling import tiled_inference
 
         spec = self.spec
         resolved = (options or InferenceOptions()).resolve(spec)
         x = preprocess(data, spec)
         start = time.perf_counter()
-        halo = self.resolve_halo(resolved.halo, resolved.tile, resolved.halo_tolerance, x)
-        context = getattr(self.predictor, "prepare_context", None)
-        if spec.global_pooling and context is not None:
-            context(x, tile=resolved.tile, halo=halo, batch_size=resolved.batch_size)
-        reduce = make_reduce(spec.activation, resolved.output)
-        target = out[None] if (out is not None and resolved.output == "labels") else out
-        result = tiled_inference(
-            x, self.predictor, tile_shape=resolved.tile, halo=halo, overlap=resolved.overlap,
-            blend=resolved.blend, alignment=spec.alignment, scale=spec.scale,
-            batch_size=resolved.batch_size, device=self.predictor.device, out=target, reduce=reduce,
-            progress=progress,
-        )  # fmt: skip
-        logger.info("model %s: %s -> %s in %.2f s (tile %s, halo %s)", spec.name, tuple(np.shape(data)),
-                    tuple(result.shape), time.perf_counter() - start, resolved.tile, halo)  # fmt: skip
+        context = getattr(self.predictor, "prepare_context", None) if spec.global_pooling else None
+        # Whole-image pool means are state on the predictor: one global-pooling run at a time.
+        with self._run_lock if context is not None else contextlib.nullcontext():
+            result, halo = self._run(x, resolved, context, target=out, progress=progress)
+        logger.info(
+            "model %s: %s -> %s in %.2f s (tile %s, halo %s)",
+            spec.name,
+            tuple(np.shape(data)),
+            tuple(result.shape),
+            time.perf_counter() - start,
+            resolved.tile,
+            halo,
+        )
         if resolved.output == "labels":
             return out if out is not None else np.asarray(result)[0]
         return result if out is not None else np.asarray(result, dtype=np.float32)
+
+    def _run(
+        self,
+        x: npt.NDArray[np.float32],
+        resolved: ResolvedOptions,
+        context: Any,
+        *,
+        target: Any,
+        progress: bool,
+    ) -> tuple[Any, tuple[int, ...]]:
+        from tiling import tiled_inference
+
+        spec = self.spec
+        halo = self.resolve_halo(resolved.halo, resolved.tile, resolved.halo_tolerance, x)
+        reduce = make_reduce(spec.activation, resolved.output)
+        if target is not None and resolved.output == "labels":
+            target = target[None]
+        try:
+            if context is not None:
+                context(x, tile=resolved.tile, halo=halo, batch_size=resolved.batch_size)
+            result = tiled_inference(
+                x,
+                self.predictor,
+                tile_shape=resolved.tile,
+                halo=halo,
+                overlap=resolved.overlap,
+                blend=resolved.blend,
+                alignment=spec.alignment,
+                scale=spec.scale,
+                batch_size=resolved.batch_size,
+                device=self.predictor.device,
+                out=target,
+                reduce=reduce,
+                progress=progress,
+            )
+        finally:
+            if context is not None:
+                self.predictor.clear_context()  # type: ignore[attr-defined]
+        return result, halo
 
 
 class ModelRepository:
@@ -286,10 +353,12 @@ class ModelRepository:
             logger.info("model %s: warm (%s)", name, model.predictor.describe())
 
 
-def _central_crop(x: npt.NDArray[np.float32], shape: Sequence[int], alignment: int) -> npt.NDArray[np.float32]:
+def _central_crop(
+    x: npt.NDArray[np.float32], shape: Sequence[int], alignment: int
+) -> npt.NDArray[np.float32]:
     """The centre of ``x`` ``(C, *spatial)``, at most ``shape`` (rounded up to ``alignment``)."""
     cut = []
-    for s, want in zip(x.shape[1:], shape):
+    for s, want in zip(x.shape[1:], shape, strict=False):
         want = -(-want // alignment) * alignment
         if want >= s:
             cut.append(slice(None))
@@ -306,4 +375,3 @@ def _load(spec: ModelSpec, device: str | None, providers: Sequence[str] | None) 
 
         return GlobalPoolingPredictor.wrap(predictor, providers=providers)
     return predictor
-

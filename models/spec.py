@@ -200,10 +200,27 @@ class _Checker:
 
 _REQUIRED = object()
 _TOP_KEYS = (
-    "name", "backend", "spatial_dims", "in_channels", "out_channels", "file", "sha256",
-    "architecture", "params", "alignment", "scale", "receptive_field", "tile_dependent",
-    "global_pooling", "precision", "channels_last", "preprocess", "output", "defaults", "description",
-)  # fmt: skip
+    "name",
+    "backend",
+    "spatial_dims",
+    "in_channels",
+    "out_channels",
+    "file",
+    "sha256",
+    "architecture",
+    "params",
+    "alignment",
+    "scale",
+    "receptive_field",
+    "tile_dependent",
+    "global_pooling",
+    "precision",
+    "channels_last",
+    "preprocess",
+    "output",
+    "defaults",
+    "description",
+)
 _OUTPUT_KEYS = ("activation", "kind", "dtype")
 _DEFAULT_KEYS = ("tile", "halo", "overlap", "blend", "batch_size", "format")
 

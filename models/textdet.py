@@ -79,8 +79,17 @@ def text_det_spec(models_dir: Path) -> ModelSpec:
 
 def _download_wheel(dest: Path) -> Path:
     """``pip download --no-deps rapidocr-onnxruntime==1.4.4`` into ``dest``; returns the wheel."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--dest", str(dest), WHEEL_REQUIREMENT]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(dest),
+        WHEEL_REQUIREMENT,
+    ]
     logger.info("downloading %s: %s", WHEEL_REQUIREMENT, " ".join(cmd))
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -124,7 +133,9 @@ def setup_text_det(models_dir: Path, *, wheel: Path | None = None, force: bool =
                     shutil.copyfileobj(src, dst, 1 << 20)
             except (OSError, KeyError, zipfile.BadZipFile) as exc:
                 partial.unlink(missing_ok=True)
-                raise WeightsError(f"model {TEXT_DET_NAME!r}: cannot extract {WHEEL_MEMBER} from {source}: {exc}") from exc
+                raise WeightsError(
+                    f"model {TEXT_DET_NAME!r}: cannot extract {WHEEL_MEMBER} from {source}: {exc}"
+                ) from exc
             digest = sha256_file(partial)
             if digest != TEXT_DET_SHA256:
                 partial.unlink(missing_ok=True)

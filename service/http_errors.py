@@ -40,7 +40,7 @@ from service.errors import (
 from service.requestid import current_request_id
 from tiling import errors as tiling_errors
 
-__all__ = ["ErrorInfo", "classify", "install_error_handlers"]
+__all__ = ["ErrorInfo", "classify", "error_response", "install_error_handlers"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,9 @@ def classify(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) 
         return ErrorInfo(400, "bad_parameter", problems or "invalid request")
     if isinstance(exc, StarletteHTTPException):
         headers = dict(exc.headers or {})
-        return ErrorInfo(exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail), headers)
+        return ErrorInfo(
+            exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail), headers
+        )
     return ErrorInfo(500, "internal_error", "internal error (see the server log)")
 
 

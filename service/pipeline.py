@@ -24,7 +24,7 @@ from service.codecs import OUTPUT_FORMATS, DecodedVolume, decode, default_format
 from service.errors import BadParameterError, UnusableInputError
 from service.params import InferenceParams
 
-__all__ = ["InferenceResult", "MEDIA_TYPES", "fit_to_model", "plan_format", "run_file", "run_volume"]
+__all__ = ["MEDIA_TYPES", "InferenceResult", "fit_to_model", "plan_format", "run_file", "run_volume"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class InferenceResult:
     output_kind: str
     seconds: float
     n_tiles: int | None
+    size_bytes: int
 
 
 def fit_to_model(volume: DecodedVolume, spec: Any) -> tuple[np.ndarray, bool]:
@@ -99,7 +100,9 @@ def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, outpu
     if fmt not in OUTPUT_FORMATS:
         raise BadParameterError(f"format={fmt!r} is not one of {list(OUTPUT_FORMATS)}")
     if fmt == "png" and spec.spatial_dims != 2:
-        raise BadParameterError(f"format=png needs a 2D output; model {spec.name!r} is 3D (use nii.gz or tiff)")
+        raise BadParameterError(
+            f"format=png needs a 2D output; model {spec.name!r} is 3D (use nii.gz or tiff)"
+        )
     return fmt
 
 
@@ -112,35 +115,38 @@ def _options(params: InferenceParams, spec: Any) -> tuple[Any, Any]:
     from models import InferenceOptions
 
     try:
-        options = InferenceOptions(**params.option_kwargs())
+        options = InferenceOptions(**params.option_kwargs())  # type: ignore[arg-type]
         return options, options.resolve(spec)
     except ValueError as exc:
         raise BadParameterError(str(exc)) from exc
 
 
-def _count_tiles(spatial: tuple[int, ...], resolved: Any, spec: Any) -> int | None:
-    """Tiles of the plan for the metrics (``None`` when the halo is only known at run time)."""
+def _count_tiles(model: Any, data: np.ndarray, resolved: Any) -> int | None:
+    """Tiles of the plan just run, for the metrics (``None`` when it cannot be known)."""
     from tiling import TileGrid
 
-    halo = getattr(resolved, "halo", 0)
-    if isinstance(halo, str) or halo is None:
-        return None
+    spec = model.spec
+    halo = resolved.halo
     try:
+        if isinstance(halo, str):  # "auto": the model calibrated (and cached) it during the run
+            halo = model.resolve_halo(halo, resolved.tile, resolved.halo_tolerance, data)
         grid = TileGrid.plan(
-            spatial,
+            data.shape[1:],
             resolved.tile,
             halo,
-            overlap=resolved.overlap or 0,
+            overlap=resolved.overlap,
             alignment=spec.alignment,
             scale=spec.scale,
-            blend=resolved.blend or "constant",
+            blend=resolved.blend,
         )
-    except ValueError:
+    except (ValueError, AttributeError, TypeError):
         return None
     return int(grid.n_tiles)
 
 
-def run_volume(model: Any, volume: DecodedVolume, params: InferenceParams) -> tuple[np.ndarray, str, int | None]:
+def run_volume(
+    model: Any, volume: DecodedVolume, params: InferenceParams
+) -> tuple[np.ndarray, str, int | None]:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
     Returns:
@@ -151,8 +157,8 @@ def run_volume(model: Any, volume: DecodedVolume, params: InferenceParams) -> tu
     data, dropped = fit_to_model(volume, spec)
     options, resolved = _options(params, spec)
     output_kind = str(getattr(resolved, "output", None) or spec.output_kind)
-    n_tiles = _count_tiles(tuple(int(n) for n in data.shape[1:]), resolved, spec)
     result = np.asarray(model.run(data, options))
+    n_tiles = _count_tiles(model, data, resolved)
     if dropped:
         result = result[..., None]
     if output_kind == "labels":
@@ -214,5 +220,5 @@ def run_file(
         output_kind=output_kind,
         seconds=seconds,
         n_tiles=n_tiles,
+        size_bytes=path.stat().st_size,
     )
-

@@ -46,7 +46,9 @@ _INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The output file, on the input's grid (same size; NIfTI: same affine, qform/sform "
         "codes, zooms and units). `X-Tilewise-*` headers describe it.",
-        "content": {t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")},
+        "content": {
+            t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")
+        },
     },
     400: _error("bad_parameter", "Invalid query parameter, or an empty body."),
     401: _error("unauthorized", "Missing or wrong API key (when the server has one)."),
@@ -88,7 +90,9 @@ class _CleanupFileResponse(FileResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, self._cleanup, ignore_errors=True))
+            await anyio.to_thread.run_sync(
+                functools.partial(shutil.rmtree, self._cleanup, ignore_errors=True)
+            )
 
 
 @health_router.get("/healthz")
@@ -129,7 +133,9 @@ async def get_model(name: str, request: Request) -> dict[str, Any]:
     return info
 
 
-async def _await_job(future: concurrent.futures.Future[InferenceResult], request: Request) -> InferenceResult | None:
+async def _await_job(
+    future: concurrent.futures.Future[InferenceResult], request: Request
+) -> InferenceResult | None:
     """The job's result, or ``None`` when the client disconnects first (the job is cancelled
     if it has not started; a running job completes and its output is dropped)."""
 
@@ -141,8 +147,9 @@ async def _await_job(future: concurrent.futures.Future[InferenceResult], request
 
     job = asyncio.wrap_future(future)
     watcher = asyncio.ensure_future(disconnected())
+    pending: set[asyncio.Future[Any]] = {job, watcher}
     try:
-        done, _ = await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
     if job in done:
@@ -174,7 +181,9 @@ def _job(name: str, source: Path, stem: Path, params: Any, state: Any, request_i
 async def infer(
     name: str,
     request: Request,
-    tile: str | None = Query(None, description="Tile (network input) per axis, voxels: `128` or `128,128,64`."),
+    tile: str | None = Query(
+        None, description="Tile (network input) per axis, voxels: `128` or `128,128,64`."
+    ),
     halo: str | None = Query(None, description="Discarded margin per side, voxels, per axis; or `auto`."),
     halo_tolerance: str | None = Query(None, description="Max truncation error accepted by `halo=auto`."),
     overlap: str | None = Query(None, description="Voxels shared by neighbouring tile cores (blended)."),
@@ -203,25 +212,27 @@ async def infer(
         if not executor.has_room():  # refuse before reading the body; re-checked on submit
             raise executor.full_error()
         workdir = Path(await anyio.to_thread.run_sync(_mkdtemp, settings.tmp_dir))
-        source, n_bytes = await receive_upload(request, workdir / "input", max_bytes=settings.max_upload_bytes)
+        source, n_bytes = await receive_upload(
+            request, workdir / "input", max_bytes=settings.max_upload_bytes
+        )
         state.metrics.bytes_in.inc(n_bytes)
         work = functools.partial(_job, label, source, workdir / "output", params, state, current_request_id())
         future = executor.submit_future(work)
         result = await _await_job(future, request)
         if result is None:
             logger.info("request %s: client disconnected; job %s", current_request_id(), _fate(future))
-            folder = workdir
-            future.add_done_callback(lambda _: shutil.rmtree(folder, ignore_errors=True))
-            workdir = None
+            if not future.done():  # still running: its thread removes the folder when it ends
+                folder = workdir
+                future.add_done_callback(lambda _: shutil.rmtree(folder, ignore_errors=True))
+                workdir = None
             status = 499
             return Response(status_code=499)
-        size = result.path.stat().st_size
-        state.metrics.bytes_out.inc(size)
+        state.metrics.bytes_out.inc(result.size_bytes)
         response = _CleanupFileResponse(
             result.path,
             cleanup=workdir,
             media_type=result.media_type,
-            filename=f"{Path(name).name}-output{result.path.name[len('output'):]}",
+            filename=f"{Path(name).name}-output{result.path.name[len('output') :]}",
             headers={
                 "X-Tilewise-Model": label,
                 "X-Tilewise-Format": result.format,

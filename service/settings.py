@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="TILEWISE_",
         env_file=".env",
+        # From .env only TILEWISE_* keys count (a compose file's other keys are ignored), and a
+        # misspelt TILEWISE_* key fails at start-up (extra="forbid").
+        dotenv_filtering="match_prefix",
         frozen=True,
         extra="forbid",
         protected_namespaces=(),

@@ -138,6 +138,8 @@ async def receive_upload(request: Request, path: Path, *, max_bytes: int) -> tup
         if not part.found:
             raise EmptyBodyError(f"the multipart form has no field {FILE_FIELD!r}")
     if written == 0:
-        raise EmptyBodyError("the request has an empty body: send the file (raw or as multipart field 'file')")
+        raise EmptyBodyError(
+            "the request has an empty body: send the file (raw or as multipart field 'file')"
+        )
     logger.info("received upload of %d bytes (%d file bytes)", received, written)
     return path, received

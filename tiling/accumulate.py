@@ -29,7 +29,8 @@ class SlabAccumulator:
         device: where the fp32 buffer lives.
 
     Memory: ``4 * C * rows * prod(out_shape[1:])`` bytes, with ``rows`` at most one core plus the
-    overlap along axis 0.
+    overlap along axis 0. The buffer is allocated once (grown only if a later row needs more) and
+    reused row after row, so no slab-sized temporaries are churned through the allocator.
     """
 
     def __init__(
@@ -46,7 +47,9 @@ class SlabAccumulator:
             None if c is None else torch.from_numpy(np.asarray(c, dtype=np.float32)).to(device)
             for c in coverages
         ]
-        self._lo = 0
+        self._lo = 0  # output row held in buffer row self._off
+        self._off = 0
+        self._rows = 0  # rows held from self._off; buffer rows from self._off + self._rows on are zero
         self._buf = torch.zeros((channels, 0, *self.out_shape[1:]), dtype=torch.float32, device=device)
         self._done = False
 
@@ -71,14 +74,12 @@ class SlabAccumulator:
         start, stop = write[0].start, write[0].stop
         if start < self._lo:
             raise AccumulatorStateError(f"rows {start}..{self._lo} were already released")
-        held = self._lo + self._buf.shape[1]
-        if stop > held:
-            # One new buffer and one copy of the held rows (torch.cat would also allocate the zeros).
-            grown = torch.zeros((self.channels, stop - self._lo, *self.out_shape[1:]), dtype=torch.float32,
-                                device=self.device)  # fmt: skip
-            grown[:, : self._buf.shape[1]] = self._buf
-            self._buf = grown
-        local = (slice(None), slice(start - self._lo, stop - self._lo), *write[1:])
+        need = stop - self._lo
+        if self._off + need > self._buf.shape[1]:
+            self._make_room(need)
+        self._rows = max(self._rows, need)
+        base = self._off - self._lo
+        local = (slice(None), slice(base + start, base + stop), *write[1:])
         if weight is None:
             self._buf[local] += values
         else:
@@ -87,6 +88,9 @@ class SlabAccumulator:
     def release(self, until: int) -> tuple[int, torch.Tensor]:
         """Normalize and hand back rows ``[lo, until)``; returns ``(lo, (C, rows, ...))``.
 
+        The returned tensor is a view of the reused buffer: consume (write or copy) it before the
+        next :meth:`add`.
+
         Raises:
             AccumulatorStateError: after :meth:`finalize`.
             CoverageError: a released voxel has zero coverage (an engine bug).
@@ -94,21 +98,36 @@ class SlabAccumulator:
         if self._done:
             raise AccumulatorStateError("release() after finalize()")
         n = until - self._lo
-        held = self._buf.shape[1]
-        if n > held:
-            raise AccumulatorStateError(f"rows up to {until} were never added (held up to {self._lo + held})")
+        if n > self._rows:
+            raise AccumulatorStateError(
+                f"rows up to {until} were never added (held up to {self._lo + self._rows})"
+            )
         lo = self._lo
-        region = self._buf[:, :n]
+        region = self._buf[:, self._off : self._off + n]
         self._normalize(region, lo, until)  # in place: no slab-sized temporaries
-        self._buf = self._buf[:, n:].clone()
+        self._off += n
+        self._rows -= n
         self._lo = until
         return lo, region
 
     def finalize(self) -> tuple[int, torch.Tensor]:
         """Release every remaining row; the accumulator accepts nothing afterwards."""
-        out = self.release(self._lo + self._buf.shape[1])
+        out = self.release(self._lo + self._rows)
         self._done = True
         return out
+
+    def _make_room(self, need: int) -> None:
+        """Move the held rows to the front of the buffer (growing it to ``need`` rows if smaller)."""
+        held = self._buf[:, self._off : self._off + self._rows]
+        if need <= self._buf.shape[1]:
+            self._buf[:, : self._rows] = held.clone()  # the source may overlap the destination
+            self._buf[:, self._rows :].zero_()
+        else:
+            grown = torch.zeros((self.channels, need, *self.out_shape[1:]), dtype=torch.float32,
+                                device=self.device)  # fmt: skip
+            grown[:, : self._rows] = held
+            self._buf = grown
+        self._off = 0
 
     def _normalize(self, region: torch.Tensor, lo: int, hi: int) -> None:
         """Divide ``region`` (rows ``lo..hi``) in place by the coverage, one per-axis vector at a time.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,7 +62,10 @@ def load_eager_module(spec: ModelSpec) -> nn.Module:
     digest = verify_checksum(path, spec.sha256, spec.name)
     if spec.backend == "torchscript":
         try:
-            module: nn.Module = torch.jit.load(str(path), map_location="cpu")
+            with warnings.catch_warnings():
+                # TorchScript is deprecated upstream but remains a supported input format here.
+                warnings.filterwarnings("ignore", message=".*torch.jit.*", category=DeprecationWarning)
+                module: nn.Module = torch.jit.load(str(path), map_location="cpu")
         except (RuntimeError, ValueError) as exc:
             raise WeightsError(f"model {spec.name!r}: {path} is not a TorchScript file: {exc}") from exc
     else:
@@ -69,9 +73,13 @@ def load_eager_module(spec: ModelSpec) -> nn.Module:
 
         assert spec.architecture is not None  # spec validation requires it for eager
         module = build_architecture(
-            spec.architecture, spec.spatial_dims, spec.in_channels, spec.out_channels,
-            dict(spec.params), where,
-        )  # fmt: skip
+            spec.architecture,
+            spec.spatial_dims,
+            spec.in_channels,
+            spec.out_channels,
+            dict(spec.params),
+            where,
+        )
         load_weights(module, path, spec.name)
     logger.info("model %s: loaded %s (%s, sha256 %s)", spec.name, path, spec.backend, digest)
     return module
@@ -100,8 +108,12 @@ class EagerPredictor(BasePredictor):
                 self.module = self.module.to(memory_format=self.memory_format)
         logger.info(
             "model %s: %s on %s (autocast %s, channels_last %s)",
-            spec.name, spec.backend, device, self.amp_dtype, self.memory_format is not None,
-        )  # fmt: skip
+            spec.name,
+            spec.backend,
+            device,
+            self.amp_dtype,
+            self.memory_format is not None,
+        )
 
     def describe(self) -> dict[str, Any]:
         """Backend, device and precision."""

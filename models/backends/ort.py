@@ -76,7 +76,9 @@ def translate_ort_errors(model: str, action: str) -> Iterator[None]:
         if cls is None:
             raise
         text = str(exc)
-        if cls is InferenceError and ("out of memory" in text.lower() or "failed to allocate" in text.lower()):
+        if cls is InferenceError and (
+            "out of memory" in text.lower() or "failed to allocate" in text.lower()
+        ):
             cls = DeviceOutOfMemoryError
         raise cls(f"model {model!r}: onnxruntime failed to {action}: {text}") from exc
 
@@ -134,9 +136,13 @@ class OrtPredictor(BasePredictor):
         with translate_ort_errors(spec.name, "load the model"):
             self.session = ort.InferenceSession(source, options, providers=wanted)
         self.providers = list(self.session.get_providers())
-        logger.info("model %s: onnxruntime providers requested %s, obtained %s", spec.name, wanted, self.providers)
+        logger.info(
+            "model %s: onnxruntime providers requested %s, obtained %s", spec.name, wanted, self.providers
+        )
         if wanted[0] not in self.providers:
-            logger.warning("model %s: provider %s unavailable, running on %s", spec.name, wanted[0], self.providers)
+            logger.warning(
+                "model %s: provider %s unavailable, running on %s", spec.name, wanted[0], self.providers
+            )
         inputs = self.session.get_inputs()
         self.input_name = inputs[0].name
         self.output_name = self.session.get_outputs()[0].name

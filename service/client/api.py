@@ -195,7 +195,7 @@ class TilewiseClient:
             try:
                 response = self._http.get("/v1/models")
             except httpx.TransportError as exc:
-                raise TransportFailure(f"GET /v1/models: {type(exc).__name__}: {exc}") from exc
+                raise TransportFailure(f"{self.settings.url}: {type(exc).__name__}: {exc}") from exc
             if response.status_code != 200:
                 raise _server_error(response, response.content[:_MAX_ERROR_BODY])
             payload = response.json()
@@ -227,6 +227,8 @@ class TilewiseClient:
         dest: Path,
         model: str,
         params: Mapping[str, str] | None = None,
+        *,
+        label: str | None = None,
     ) -> InferAnswer:
         """``POST /v1/models/{model}/infer`` with ``source`` as the raw body; the answer goes to ``dest``.
 
@@ -238,6 +240,7 @@ class TilewiseClient:
             dest: where to write the answer body.
             model: model name.
             params: inference query parameters (``tile``, ``halo``, ``format`` ...).
+            label: name of the file in retry log lines (default: ``source``'s name).
 
         Raises:
             ServerError: an error answer (after retries for 429/502/503/504).
@@ -274,5 +277,5 @@ class TilewiseClient:
             except httpx.TransportError as exc:
                 raise TransportFailure(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
 
-        answer, attempts = self._with_retries(f"{source.name}", attempt)
+        answer, attempts = self._with_retries(label or source.name, attempt)
         return dataclasses.replace(answer, attempts=attempts)

@@ -7,9 +7,10 @@ Schema (DESIGN "Interfaces in detail"; extra keys may be added, none removed)::
      "summary": {"done", "skipped", "failed", "seconds", "files_per_s"},
      "model", "url", "input_dir", "output_dir", "params"}
 
-``input`` is relative to ``input_dir`` and ``output`` to ``output_dir`` (POSIX separators; ``output``
-is ``null`` for a file that has none). ``error`` is the server's ``"HTTP <status> <code>: <detail>"``,
-a connection failure, or why a file was skipped (unsupported content, output already present).
+``input`` is relative to ``input_dir`` and ``output`` to ``output_dir`` (POSIX separators);
+``output`` names a file that exists (written now, or found by a resumed run), else ``null``.
+``error`` is the server's ``"HTTP <status> <code>: <detail>"``, a connection failure, or why a file
+was skipped (unsupported content, output already present).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def _send(client: TilewiseClient, job: _Job, options: BatchOptions) -> FileResul
     out_rel, attempts, bytes_out = str(job.out_rel), 0, 0
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        answer = client.infer_to_file(job.candidate.path, tmp, options.model, options.params)
+        answer = client.infer_to_file(job.candidate.path, tmp, options.model, options.params, label=rel)
         attempts, bytes_out = answer.attempts, answer.bytes_out
         declared = _server_format(answer)
         if declared and declared != job.fmt and "format" not in options.params:
@@ -149,12 +149,12 @@ def _send(client: TilewiseClient, job: _Job, options: BatchOptions) -> FileResul
             out_rel, final = str(renamed), options.output_dir / renamed
         os.replace(tmp, final)
     except ClientError as exc:
-        return _failed(job, out_rel, t0, str(exc), exc.attempts)
+        return _failed(job, t0, str(exc), exc.attempts)
     except OSError as exc:
-        return _failed(job, out_rel, t0, f"{type(exc).__name__}: {exc}", max(attempts, 1))
+        return _failed(job, t0, f"{type(exc).__name__}: {exc}", max(attempts, 1))
     except Exception as exc:  # a bug must not lose the report of the other files
         logger.exception("%s: unexpected error", rel)
-        return _failed(job, out_rel, t0, f"{type(exc).__name__}: {exc}", max(attempts, 1))
+        return _failed(job, t0, f"{type(exc).__name__}: {exc}", max(attempts, 1))
     finally:
         tmp.unlink(missing_ok=True)
     return FileResult(
@@ -168,10 +168,10 @@ def _send(client: TilewiseClient, job: _Job, options: BatchOptions) -> FileResul
     )
 
 
-def _failed(job: _Job, out_rel: str, t0: float, error: str, attempts: int) -> FileResult:
+def _failed(job: _Job, t0: float, error: str, attempts: int) -> FileResult:
     return FileResult(
         input=str(job.candidate.rel),
-        output=out_rel,
+        output=None,
         status=Status.FAILED,
         seconds=time.monotonic() - t0,
         error=error,
@@ -180,15 +180,21 @@ def _failed(job: _Job, out_rel: str, t0: float, error: str, attempts: int) -> Fi
     )
 
 
-def _model_defaults(client: TilewiseClient, model: str) -> dict[str, Any] | None:
-    """The model's ``defaults`` from the server; ``None`` when the server cannot be reached.
+def _model_defaults(client: TilewiseClient, model: str, *, reachable: bool) -> dict[str, Any] | None:
+    """The model's ``defaults`` from the server.
+
+    Args:
+        reachable: when False, an unreachable server gives ``None`` instead of an error.
 
     Raises:
-        ClientError: the server answered but refused (unknown model, wrong API key ...).
+        ClientError: the server refused (unknown model, wrong API key ...) or, with ``reachable``,
+            stayed unreachable through every retry.
     """
     try:
         info = client.model_info(model)
     except TransportFailure as exc:
+        if reachable:
+            raise
         logger.warning("cannot read the model list (%s); using the documented defaults", exc)
         return None
     defaults = info.get("defaults")
@@ -220,7 +226,7 @@ def _plan(
         out_rel = output_relpath(cand.rel, fmt)
         if out_rel in owners:
             clash = f"output {out_rel} is also that of {owners[out_rel]}"
-            known.append(FileResult(rel, str(out_rel), Status.FAILED, error=clash))
+            known.append(FileResult(rel, None, Status.FAILED, error=clash))
             continue
         owners[out_rel] = rel
         if not options.overwrite and (options.output_dir / out_rel).exists():
@@ -248,7 +254,8 @@ def run_batch(
     Raises:
         NotADirectoryError: ``input_dir`` is not a folder.
         ValueError: ``output_dir`` is ``input_dir``.
-        ClientError: the server refused the run as a whole (unknown model, wrong API key).
+        ClientError: the server refused the run as a whole (unknown model, wrong API key), or
+            was unreachable before anything was sent.
     """
     t0 = time.monotonic()
     progress = progress or LogProgress()
@@ -267,7 +274,9 @@ def run_batch(
     sendable = [c for c in candidates if c.sendable]
     defaults: Mapping[str, Any] | None = None
     if sendable and "format" not in options.params:
-        defaults = _model_defaults(client, options.model)  # output names may depend on them
+        # Output names may depend on the model's defaults; a re-run with nothing left to send
+        # must work without the server, so an unreachable one is tolerated here.
+        defaults = _model_defaults(client, options.model, reachable=False)
     jobs, results = _plan(candidates, options, defaults)
     logger.info(
         "%d files found: %d to send, %d skipped or refused before sending",
@@ -276,7 +285,8 @@ def run_batch(
         len(results),
     )
     if jobs and defaults is None:
-        _model_defaults(client, options.model)  # fail fast on an unknown model or a wrong key
+        # Fail fast on an unknown model, a wrong key or a server that is not there.
+        _model_defaults(client, options.model, reachable=True)
 
     meta = {
         "model": options.model,
@@ -297,7 +307,7 @@ def run_batch(
         pool.shutdown(wait=False, cancel_futures=True)
         done = {r.input for r in results}
         results.extend(
-            FileResult(str(j.candidate.rel), str(j.out_rel), Status.FAILED, error="interrupted")
+            FileResult(str(j.candidate.rel), None, Status.FAILED, error="interrupted")
             for j in jobs
             if str(j.candidate.rel) not in done
         )

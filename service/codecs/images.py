@@ -90,7 +90,9 @@ def _decode_with_pillow(
     return DecodedVolume(data=data, kind=sniffed.kind, info=info)
 
 
-def _decode_with_tifffile(path: Path, *, max_voxels: int | None, max_image_pixels: int | None) -> DecodedVolume:
+def _decode_with_tifffile(
+    path: Path, *, max_voxels: int | None, max_image_pixels: int | None
+) -> DecodedVolume:
     """Decode a TIFF with tifffile: 16/32-bit and float samples, multi-channel, page stacks."""
     try:
         with tifffile.TiffFile(path) as tif:
@@ -104,9 +106,7 @@ def _decode_with_tifffile(path: Path, *, max_voxels: int | None, max_image_pixel
                 max_image_pixels=max_image_pixels,
             )
             if max_voxels is not None and math.prod(shape) > max_voxels:
-                raise PayloadTooLargeError(
-                    f"TIFF of shape {shape} ({axes}) exceeds max_voxels={max_voxels}"
-                )
+                raise PayloadTooLargeError(f"TIFF of shape {shape} ({axes}) exceeds max_voxels={max_voxels}")
             array = series.asarray()
     except (PayloadTooLargeError, UnusableInputError):
         raise

@@ -113,7 +113,7 @@ def _to_nifti_layout(array: np.ndarray, spatial_dims: int) -> np.ndarray:
     if array.ndim == spatial_dims:
         return array
     if array.shape[0] == 1:
-        return array[0]
+        return np.asarray(array[0])
     return np.moveaxis(array, 0, -1)
 
 
@@ -126,7 +126,7 @@ def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
     spatial_dims = volume.spatial_dims
     out = _to_nifti_layout(array, spatial_dims)
     if volume.kind != "nifti" or volume.header is None:
-        nib.save(nib.Nifti1Image(out, np.eye(4)), str(path))
+        nib.save(nib.Nifti1Image(out, np.eye(4)), str(path))  # type: ignore[no-untyped-call]
         return
     if volume.nifti_ndim == 2 and out.ndim == 3 and out.shape[2] == 1:
         out = out[:, :, 0]  # give a 2D NIfTI back as 2D

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DecodedVolume", "OUTPUT_FORMATS"]
+__all__ = ["OUTPUT_FORMATS", "DecodedVolume"]
 
 #: Every output format :func:`service.codecs.encode` writes, with its file suffix.
 OUTPUT_FORMATS: dict[str, str] = {

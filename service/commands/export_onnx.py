@@ -35,10 +35,14 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("model", metavar="MODEL", help="model name")
     parser.add_argument("out", metavar="OUT", type=Path, help="the .onnx file to write")
-    parser.add_argument("--tile", type=_ints, default=None, help="export shape, e.g. 64 or 64,64,32 (default: spec)")
+    parser.add_argument(
+        "--tile", type=_ints, default=None, help="export shape, e.g. 64 or 64,64,32 (default: spec)"
+    )
     parser.add_argument("--atol", type=float, default=1e-4, help="parity tolerance (default: 1e-4)")
     parser.add_argument("--opset", type=int, default=18, help="ONNX opset (default: 18)")
-    parser.add_argument("--models", type=Path, default=None, help="model folder (default: $TILEWISE_MODELS_DIR)")
+    parser.add_argument(
+        "--models", type=Path, default=None, help="model folder (default: $TILEWISE_MODELS_DIR)"
+    )
     parser.add_argument("--spec", action="store_true", help="also write OUT's spec YAML next to it")
     parser.set_defaults(run=_run)
 
@@ -56,7 +60,9 @@ def _run(args: argparse.Namespace) -> int:
         model = repo.get(args.model)
         module = getattr(model.predictor, "module", None)
         if module is None:
-            logger.error("model %r has backend %r; export-onnx takes an eager model", args.model, model.spec.backend)
+            logger.error(
+                "model %r has backend %r; export-onnx takes an eager model", args.model, model.spec.backend
+            )
             return 2
         spec = model.spec
         tile = args.tile or spec.defaults.tile
@@ -66,9 +72,15 @@ def _run(args: argparse.Namespace) -> int:
             logger.error("--tile needs 1 or %d values, got %s", spec.spatial_dims, tile)
             return 2
         report = export_onnx(
-            module, args.out, in_channels=spec.in_channels, export_shape=tile, alignment=spec.alignment,
-            atol=args.atol, opset=args.opset, name=spec.name,
-        )  # fmt: skip
+            module,
+            args.out,
+            in_channels=spec.in_channels,
+            export_shape=tile,
+            alignment=spec.alignment,
+            atol=args.atol,
+            opset=args.opset,
+            name=spec.name,
+        )
     except ExportError as exc:
         logger.error("%s", exc)
         sys.stdout.write(f"FAILED {exc}\n")

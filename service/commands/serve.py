@@ -25,7 +25,9 @@ def register(sub: Any) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (TILEWISE_DEVICE; default: auto)")
-    parser.add_argument("--queue-size", type=int, default=None, help="requests waiting per device (TILEWISE_QUEUE_SIZE)")
+    parser.add_argument(
+        "--queue-size", type=int, default=None, help="requests waiting per device (TILEWISE_QUEUE_SIZE)"
+    )
     parser.add_argument(
         "--max-upload-bytes", type=int, default=None, help="largest upload (TILEWISE_MAX_UPLOAD_BYTES)"
     )

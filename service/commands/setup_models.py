@@ -24,9 +24,11 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument(
-        "--models", type=Path, default=None,
+        "--models",
+        type=Path,
+        default=None,
         help="model folder (default: $TILEWISE_MODELS_DIR, else ~/.cache/tilewise/models)",
-    )  # fmt: skip
+    )
     parser.add_argument("--wheel", type=Path, default=None, help="a local rapidocr_onnxruntime-1.4.4 wheel")
     parser.add_argument("--force", action="store_true", help="extract again even if a verified file exists")
     parser.set_defaults(run=_run)

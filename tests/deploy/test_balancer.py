@@ -1,8 +1,10 @@
 """docker/nginx.conf in front of two real `tilewise serve` processes on 127.0.0.1.
 
-Each test gets its own pair of instances and its own nginx (the `cluster` fixture), since some kill
-an instance. Requests go through nginx the way clients send them: GET /v1/models and
-POST /v1/models/{name}/infer with the file as the body.
+The first tests share one pair of instances and one nginx (`cluster`, module scope; the SIGTERM
+test stops an instance, so it comes after the others that use it); the kill test has its own
+(`fresh_cluster`). Starting a pair takes 15-25 s here, most of it importing torch. Requests go
+through nginx the way clients send them: GET /v1/models and POST /v1/models/{name}/infer with the
+file as the body.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CPU image builds and runs without a Docker engine (buildah, chroot isolation, vfs storage).
 
-Slow (about 5 minutes here, most of it vfs copying the ~1.3 GB torch layer): run with
+Slow (5 to 9 minutes here, most of it vfs copying the ~1.3 GB of torch and friends): run with
 ``python -m pytest tests/deploy -m slow``. Needs root, buildah and debootstrap (apt-get install -y
 buildah debootstrap). The base image is a stand-in for python:3.11-slim-bookworm made by
 docker/make-standin-base.sh (kept between runs); the built image and container are removed after.

@@ -120,8 +120,9 @@ def test_dockerfiles_follow_the_contract():
         assert user.split(":")[0].isdigit() and user.split(":")[0] != "0"
         assert 'ENTRYPOINT ["tilewise", "serve"]' in text
         assert "ENV " in text and "TILEWISE_MODELS_DIR=/opt/tilewise/models" in text
-    assert 'p["optional-dependencies"]["cpu"]' in cpu and '"gpu"' not in cpu
-    assert 'p["optional-dependencies"]["gpu"]' in cuda and '["cpu"]' not in cuda
+    # Exactly one onnxruntime: `cpu` in the CPU image, `gpu` in the CUDA one; `export` (onnx) in both.
+    assert 'o["cpu"] + o["export"]' in cpu and '"gpu"' not in cpu
+    assert 'o["gpu"] + o["export"]' in cuda and '["cpu"]' not in cuda
     assert "download.pytorch.org/whl/cpu" in cpu and re.search(r"download\.pytorch\.org/whl/cu\d+", cuda)
 
 

@@ -55,7 +55,12 @@ def mni152() -> np.ndarray:
     import nibabel as nib
     import nilearn
 
-    path = Path(nilearn.__file__).parent / "datasets" / "data" / "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz"
+    path = (
+        Path(nilearn.__file__).parent
+        / "datasets"
+        / "data"
+        / "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz"
+    )
     data = np.asarray(nib.load(path).dataobj, dtype=np.float32)
     return data / np.float32(data.max())
 

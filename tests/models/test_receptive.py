@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -33,14 +32,26 @@ class Stack:
 
 def plain(nd: int) -> Stack:  # radius 1 + 1 + 2 = 4
     c = CONV[nd]
-    return Stack(nn.Sequential(c(1, 2, 3, padding=1), nn.Tanh(), c(2, 2, 3, padding=1), nn.Tanh(),
-                               c(2, 1, 5, padding=2)), nd)  # fmt: skip
+    return Stack(
+        nn.Sequential(
+            c(1, 2, 3, padding=1), nn.Tanh(), c(2, 2, 3, padding=1), nn.Tanh(), c(2, 1, 5, padding=2)
+        ),
+        nd,
+    )
 
 
 def dilated(nd: int) -> Stack:  # radius 1 + 2 + 4 = 7
     c = CONV[nd]
-    return Stack(nn.Sequential(c(1, 2, 3, padding=1), nn.Tanh(), c(2, 2, 3, padding=2, dilation=2), nn.Tanh(),
-                               c(2, 1, 3, padding=4, dilation=4)), nd)  # fmt: skip
+    return Stack(
+        nn.Sequential(
+            c(1, 2, 3, padding=1),
+            nn.Tanh(),
+            c(2, 2, 3, padding=2, dilation=2),
+            nn.Tanh(),
+            c(2, 1, 3, padding=4, dilation=4),
+        ),
+        nd,
+    )
 
 
 def strided(nd: int) -> Stack:
@@ -50,8 +61,16 @@ def strided(nd: int) -> Stack:
     2j - 1 .. 2j + 1: so inputs o - 3 .. o + 3 for even o and o - 4 .. o + 2 for odd o: radius 4.
     """
     c = CONV[nd]
-    return Stack(nn.Sequential(c(1, 2, 3, stride=2, padding=1), nn.Tanh(), c(2, 1, 3, padding=1),
-                               nn.Upsample(scale_factor=2, mode="nearest")), nd, alignment=2)  # fmt: skip
+    return Stack(
+        nn.Sequential(
+            c(1, 2, 3, stride=2, padding=1),
+            nn.Tanh(),
+            c(2, 1, 3, padding=1),
+            nn.Upsample(scale_factor=2, mode="nearest"),
+        ),
+        nd,
+        alignment=2,
+    )
 
 
 @pytest.mark.parametrize(

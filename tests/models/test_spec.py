@@ -51,8 +51,18 @@ def test_good_spec_loads(tmp_path: Path) -> None:
     assert spec.output_kind == "labels" and spec.defaults.output == "labels"
     assert [s.kind for s in spec.preprocess] == ["ct_window", "zscore"]
     info = spec.info()
-    assert set(info) >= {"name", "spatial_dims", "in_channels", "out_channels", "backend", "alignment", "scale",
-                         "receptive_field", "params", "defaults"}  # fmt: skip
+    assert set(info) >= {
+        "name",
+        "spatial_dims",
+        "in_channels",
+        "out_channels",
+        "backend",
+        "alignment",
+        "scale",
+        "receptive_field",
+        "params",
+        "defaults",
+    }
     assert set(info["defaults"]) == {"tile", "halo", "overlap", "blend", "batch_size", "output", "format"}
 
 
@@ -64,7 +74,9 @@ def test_good_spec_loads(tmp_path: Path) -> None:
         pytest.param({"in_channels": True}, "'in_channels' must be int", id="bool-not-int"),
         pytest.param({"backend": "tensorflow"}, "'backend' must be one of", id="bad-choice"),
         pytest.param({"spatial_dims": 4}, "'spatial_dims' must be 1, 2 or 3", id="bad-dims"),
-        pytest.param({"defaults": {"tile": [32, 32]}}, "'tile' must be an int or a list of 3", id="tile-axes"),
+        pytest.param(
+            {"defaults": {"tile": [32, 32]}}, "'tile' must be an int or a list of 3", id="tile-axes"
+        ),
         pytest.param({"defaults": {"halo": "big"}}, "'halo' must be int or list", id="halo-string"),
         pytest.param({"output": {"kind": "masks"}}, "'kind' must be one of", id="output-kind"),
         pytest.param({"preprocess": ["sharpen"]}, "unknown type 'sharpen'", id="unknown-step"),

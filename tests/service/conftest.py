@@ -92,6 +92,6 @@ def server(server_tmp: Path, text_models_dir: Path) -> Iterator[Server]:
 @pytest.fixture()
 def client(server: Server) -> Iterator[httpx.Client]:
     """An HTTP client for the shared server (checks after each test that it is still alive)."""
-    with httpx.Client(base_url=server.url, timeout=120.0) as http:
+    with httpx.Client(base_url=server.url, timeout=600.0) as http:  # loaded CI machines are slow
         yield http
     assert server.alive(), server.log_tail()

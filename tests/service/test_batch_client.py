@@ -270,6 +270,32 @@ def test_client_errors_are_not_retried(tmp_path: Path) -> None:
     assert str(info.value) == "HTTP 422 decode_error: truncated gzip stream"
 
 
+def test_a_refused_run_sends_nothing(folder: Path, tmp_path: Path) -> None:
+    posts = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            posts.append(request)
+        return httpx.Response(401, json={"error": "unauthorized", "detail": "missing API key"})
+
+    settings = ClientSettings(url="http://tilewise.test")
+    with TilewiseClient(settings, transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(ServerError, match="HTTP 401 unauthorized: missing API key"):
+            run_batch(BatchOptions(folder, tmp_path / "out", "gaussian-3d"), client)
+    assert posts == []
+
+
+def test_settings_read_the_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TILEWISE_API_KEY", "from-env")
+    monkeypatch.setenv("TILEWISE_MODELS_DIR", "/server/only")  # a server variable: ignored
+    settings = ClientSettings(url="http://h:1/")
+    assert settings.api_key is not None and settings.api_key.get_secret_value() == "from-env"
+    assert settings.url == "http://h:1"
+    assert ClientSettings(url="http://h:1", api_key="flag").api_key.get_secret_value() == "flag"
+    with pytest.raises(ValueError, match="http"):
+        ClientSettings(url="h:1")
+
+
 def test_unknown_model(tmp_path: Path) -> None:
     with _client(FakeServer([]), []) as client, pytest.raises(UnknownModelError, match="gaussian-3d"):
         client.model_info("nope")
@@ -355,6 +381,17 @@ def test_output_takes_the_format_the_server_answered(folder: Path, tmp_path: Pat
         outcome = run_batch(BatchOptions(folder, out, "seg-2d", patterns=["*.jpg"]), client)
     assert outcome.ok and outcome.results[0].output == "d.tiff"
     assert (out / "d.tiff").is_file() and not (out / "d.png").exists()
+
+
+def test_two_inputs_with_one_output_name_fail_the_second(folder: Path, tmp_path: Path) -> None:
+    (folder / "d.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # d.jpg and d.png both map to d.png
+    server = FakeServer([])
+    with _client(server, []) as client:
+        outcome = run_batch(BatchOptions(folder, tmp_path / "out", "seg-2d", patterns=["d.*"]), client)
+    by_input = {r.input: r for r in outcome.results}
+    assert by_input["d.jpg"].status is Status.DONE and by_input["d.jpg"].output == "d.png"
+    assert by_input["d.png"].status is Status.FAILED and "also that of d.jpg" in by_input["d.png"].error
+    assert len(server.infer_bodies) == 1
 
 
 def test_stale_temporary_files_of_dead_processes_are_removed(tmp_path: Path) -> None:

@@ -254,7 +254,7 @@ def test_batch_real_folder_matches_infer_reports_and_resumes(
     for rel in VOLUMES:
         assert files[rel]["status"] == "done" and files[rel]["error"] is None
     assert files["study1/sub/anatomical.nii"]["output"] == "study1/sub/anatomical.nii.gz"
-    assert files[BROKEN]["status"] == "failed"
+    assert files[BROKEN]["status"] == "failed" and files[BROKEN]["output"] is None
     assert files[BROKEN]["error"].startswith("HTTP 422 "), files[BROKEN]["error"]  # the server's error
     assert files[TEXT]["status"] == "skipped" and files[TEXT]["output"] is None
     assert report["summary"] | {"seconds": 0, "files_per_s": 0} == {
@@ -392,19 +392,19 @@ def test_batch_survives_a_server_restart_without_partial_outputs(tmp_path: Path)
 
 def test_batch_backs_off_on_503_and_succeeds(tmp_path: Path) -> None:
     """A server with no queue (TILEWISE_QUEUE_SIZE=0) answers 503 + Retry-After to every request
-    beyond the running one; three files in flight make the client back off, then all succeed."""
+    beyond the running one; three files in flight at once make the client back off (each job
+    takes >= 50 ms, the three requests leave within a few ms), then all eight succeed."""
     inputs, out = tmp_path / "in", tmp_path / "out"
     inputs.mkdir()
-    for i in range(4):
+    for i in range(8):
         shutil.copyfile(_anatomical(), inputs / f"a{i}.nii")
-    shutil.copyfile(_mni152(), inputs / "mni.nii.gz")  # ~7 s of work: the others must wait
     srv = Server(
         tmp_path / "server", TILEWISE_WARMUP="false", TILEWISE_QUEUE_SIZE="0", TILEWISE_RETRY_AFTER_S="1"
     )
     srv.start()
     try:
         result = batch(
-            str(inputs), str(out), "--url", srv.url, "--model", "gaussian-3d", "--tile", "128",
+            str(inputs), str(out), "--url", srv.url, "--model", "gaussian-3d",
             "--concurrency", "3", "--retries", "12",
         )  # fmt: skip
         counts = srv.requests()
@@ -412,8 +412,8 @@ def test_batch_backs_off_on_503_and_succeeds(tmp_path: Path) -> None:
         srv.stop()
     assert result.returncode == 0, result.stderr
     assert counts.get(("gaussian-3d", "503"), 0) >= 1, counts  # the server did refuse some
-    assert counts.get(("gaussian-3d", "200"), 0) == 5
+    assert counts.get(("gaussian-3d", "200"), 0) == 8
     report = _report(out)
-    assert report["summary"]["done"] == 5 and report["summary"]["failed"] == 0
+    assert report["summary"]["done"] == 8 and report["summary"]["failed"] == 0
     assert max(f["attempts"] for f in report["files"]) > 1
     assert "HTTP 503 queue_full" in result.stderr

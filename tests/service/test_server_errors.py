@@ -12,7 +12,6 @@ import socket
 import struct
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -107,6 +106,31 @@ def test_bad_inputs(client: httpx.Client, mni152_path: Path, example4d_path: Pat
     _assert_no_temporary_files(server_tmp)
 
 
+def _read_response(sock: socket.socket) -> str:
+    """One HTTP response (headers and ``Content-Length`` body) read from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = sock.recv(65536)
+        if not part:
+            break
+        data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        part = sock.recv(65536)
+        if not part:
+            break
+        body += part
+    return (head + b"\r\n\r\n" + body).decode("latin-1")
+
+
 def _assert_no_temporary_files(folder: Path) -> None:
     deadline = time.monotonic() + 5
     while any(folder.glob("tilewise-*")) and time.monotonic() < deadline:
@@ -124,27 +148,34 @@ def test_upload_limit_stops_reading_early(server: Server, server_tmp: Path) -> N
             f"Content-Type: application/octet-stream\r\nContent-Length: {10 * limit}\r\n\r\n"
         )
         sock.sendall(head.encode() + b"\0" * 65536)  # 1/1280 of the declared body
-        reply = sock.recv(65536).decode("latin-1")
+        reply = _read_response(sock)
     assert reply.startswith("HTTP/1.1 413"), reply[:200]
     assert '"error":"payload_too_large"' in reply
 
-    sent = 0
+    # Chunked, no Content-Length: the server answers once the body passes the limit, while the
+    # client has not finished (the final zero-size chunk is never sent).
+    import threading
 
-    def body() -> Iterator[bytes]:
-        nonlocal sent
-        for _ in range(64):  # 64 MiB: 8 times the limit, without Content-Length (chunked)
-            sent += 2**20
-            yield b"\1" * 2**20
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=60) as sock:
+        head = (
+            "POST /v1/models/gaussian-3d/infer HTTP/1.1\r\nHost: test\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b"100000\r\n" + b"\1" * 2**20 + b"\r\n"  # 1 MiB chunks
 
-    with httpx.Client(base_url=server.url, timeout=60) as http:
-        try:
-            response = http.post("/v1/models/gaussian-3d/infer", content=body())
-        except httpx.TransportError:
-            response = None  # the server closed the connection while we were still sending
-    if response is not None:
-        assert response.status_code == 413
-        assert response.json()["error"] == "payload_too_large"
-    assert sent < 64 * 2**20 or response is not None
+        def send() -> None:
+            try:
+                sock.sendall(head.encode())
+                for _ in range(limit // 2**20 + 2):
+                    sock.sendall(chunk)
+            except OSError:
+                pass  # the server closed the connection after answering
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        reply = _read_response(sock)
+        sender.join(60)
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    assert "stopped reading after" in reply
     assert httpx.get(f"{server.url}/healthz").status_code == 200
     _assert_no_temporary_files(server_tmp)
 
@@ -205,3 +236,53 @@ def test_api_key_with_tilewise_serve(tmp_path: Path, anatomical_path: Path, mode
             assert "grey-only-2d" in names  # --models was honoured
     finally:
         stop_server(server)
+
+
+def _metric(url: str, prefix: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(prefix):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_client_that_disconnects_frees_its_queue_slot(server: Server, anatomical_path: Path) -> None:
+    """A waiting request whose client goes away leaves the queue while the running job goes on."""
+    import threading
+
+    depth = "tilewise_queue_depth "
+    assert _wait_for(lambda: _metric(server.url, depth) == 0)
+    volume = np.random.default_rng(0).random((48, 48, 48), dtype=np.float32)
+    slow_body = nib.Nifti1Image(volume, np.eye(4)).to_bytes()
+    slow_url = f"{server.url}/v1/models/gaussian-3d/infer?tile=22&halo=8&batch_size=1&format=nii"
+    result: list[int] = []
+    slow = threading.Thread(
+        target=lambda: result.append(httpx.post(slow_url, content=slow_body, timeout=300).status_code)
+    )
+    slow.start()
+    assert _wait_for(lambda: _metric(server.url, depth) == 1)
+    gone_before = _metric(server.url, 'tilewise_requests_total{model="gaussian-3d",status="499"}')
+    body = anatomical_path.read_bytes()
+    head = (
+        f"POST /v1/models/gaussian-3d/infer HTTP/1.1\r\nHost: test\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(head + body)
+        assert _wait_for(lambda: _metric(server.url, depth) == 2)
+    # The socket is closed: the waiting job must leave the queue before the running one ends.
+    assert _wait_for(lambda: _metric(server.url, depth) <= 1, timeout_s=10)
+    if not slow.is_alive():
+        pytest.skip("the running job ended before the disconnect could be observed (machine too fast)")
+    slow.join(300)
+    assert result == [200]
+    assert _metric(server.url, 'tilewise_requests_total{model="gaussian-3d",status="499"}') == gone_before + 1
+    assert httpx.get(f"{server.url}/healthz").status_code == 200

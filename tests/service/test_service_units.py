@@ -88,6 +88,17 @@ def test_settings_validation(monkeypatch: pytest.MonkeyPatch, make_settings) -> 
             make_settings(**bad)
 
 
+def test_dotenv_counts_only_tilewise_keys_and_refuses_typos(tmp_path) -> None:
+    from service.settings import Settings
+
+    env = tmp_path / ".env"
+    env.write_text("COMPOSE_PROJECT_NAME=x\nTILEWISE_QUEUE_SIZE=3\n", encoding="utf-8")
+    assert Settings(_env_file=env).queue_size == 3
+    env.write_text("TILEWISE_QUEUE_SIZ=3\n", encoding="utf-8")
+    with pytest.raises(ValidationError, match="queue_siz"):
+        Settings(_env_file=env)
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 

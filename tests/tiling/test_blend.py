@@ -12,7 +12,7 @@ MODES = [pytest.param(m, id=m.value) for m in BlendMode]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("length", [1, 2, 3, 8, 33, 300])
+@pytest.mark.parametrize("length", [pytest.param(n, id=f"len{n}") for n in (1, 2, 3, 8, 33, 300)])
 def test_window_positive_peak_one_symmetric(mode, length):
     w = blend_window(length, mode)
     assert w.dtype == np.float32 and w.shape == (length,)

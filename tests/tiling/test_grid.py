@@ -43,7 +43,7 @@ def _expected_count(extent: int, tile: int, stride: int) -> int:
 
 
 @pytest.mark.parametrize(("shape", "tile", "halo", "overlap", "align"), CASES)
-@pytest.mark.parametrize("border", ["clip", "pad"])
+@pytest.mark.parametrize("border", [pytest.param(b, id=b) for b in ("clip", "pad")])
 def test_plan_invariants(shape, tile, halo, overlap, align, border):
     grid = TileGrid.plan(shape, tile, halo, overlap=overlap, alignment=align, border=border, blend="hann")
     ndim = len(shape)

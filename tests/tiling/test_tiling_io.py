@@ -14,7 +14,7 @@ MODES = [pytest.param(m, id=m.value) for m in PaddingMode]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("length", [1, 2, 3, 7])
+@pytest.mark.parametrize("length", [pytest.param(n, id=f"len{n}") for n in (1, 2, 3, 7)])
 def test_source_indices_match_numpy_pad(mode, length):
     pad = 20  # wider than the image: numpy repeats the reflection
     base = np.arange(length)

@@ -151,7 +151,14 @@ def test_pad_to_fit_examples():
     assert pad_to_fit(2, 5, 1) == (1, 2)  # shorter than the window
 
 
-@pytest.mark.parametrize("args", [(0, 3, 1), (5, 0, 1), (5, 3, 0)])
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param((0, 3, 1), id="length0"),
+        pytest.param((5, 0, 1), id="kernel0"),
+        pytest.param((5, 3, 0), id="stride0"),
+    ],
+)
 def test_pad_to_fit_rejects_non_positive(args):
     with pytest.raises(ValueError, match="must be >= 1"):
         pad_to_fit(*args)

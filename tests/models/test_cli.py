@@ -1,0 +1,76 @@
+"""``tilewise setup-models`` and ``tilewise export-onnx`` in process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from models.textdet import TEXT_DET_FILE
+from service.cli import main
+
+
+def test_setup_models_with_wheel(
+    tmp_path: Path, wheel_path: Path | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if wheel_path is None:
+        pytest.skip("no local rapidocr wheel (the session fixture downloads one instead)")
+    assert main(["setup-models", "--models", str(tmp_path), "--wheel", str(wheel_path)]) == 0
+    assert (tmp_path / TEXT_DET_FILE).is_file() and (tmp_path / "text-det-2d.yaml").is_file()
+    assert "text-det-2d ready" in capsys.readouterr().out
+    # a second run finds the verified file and only rewrites the spec
+    assert main(["setup-models", "--models", str(tmp_path), "--wheel", str(wheel_path)]) == 0
+
+
+def test_setup_models_bad_wheel_fails(tmp_path: Path) -> None:
+    bad = tmp_path / "x.whl"
+    bad.write_bytes(b"nope")
+    assert main(["setup-models", "--models", str(tmp_path / "m"), "--wheel", str(bad)]) == 1
+
+
+def test_setup_models_env_folder(
+    tmp_path: Path, wheel_path: Path | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if wheel_path is None:
+        pytest.skip("no local rapidocr wheel")
+    monkeypatch.setenv("TILEWISE_MODELS_DIR", str(tmp_path))
+    assert main(["setup-models", "--wheel", str(wheel_path)]) == 0
+    assert (tmp_path / TEXT_DET_FILE).is_file()
+
+
+def test_export_onnx_refuses_non_eager_and_unknown(tmp_path: Path, text_det_dir: Path) -> None:
+    assert main(["export-onnx", "text-det-2d", str(tmp_path / "x.onnx"), "--models", str(text_det_dir)]) == 2
+    assert main(["export-onnx", "no-such-model", str(tmp_path / "x.onnx"), "--models", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "export-onnx",
+                "sobel-2d",
+                str(tmp_path / "x.onnx"),
+                "--models",
+                str(tmp_path),
+                "--tile",
+                "8,8,8",
+            ]
+        )
+        == 2
+    )
+
+
+def test_export_onnx_fails_above_tolerance(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # sobel's float32 rounding (~1e-6) exceeds an absurd tolerance of 0: exit status 1
+    status = main(
+        [
+            "export-onnx",
+            "sobel-2d",
+            str(tmp_path / "s.onnx"),
+            "--models",
+            str(tmp_path),
+            "--tile",
+            "32",
+            "--atol",
+            "0",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert status == 1 and "FAILED" in out and "differs from eager" in out
