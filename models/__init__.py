@@ -30,11 +30,11 @@ from models.repository import DEFAULT_MODELS_DIR, Model, ModelRepository
 from models.spec import ModelDefaults, ModelSpec, PreprocessStep, load_spec, spec_from_mapping
 
 __all__ = [
-    "DEFAULT_MODELS_DIR",
     "BackendError",
     "BackendUnavailableError",
     "BasePredictor",
     "ChecksumMismatchError",
+    "DEFAULT_MODELS_DIR",
     "DeviceOutOfMemoryError",
     "ExportError",
     "HaloCalibration",

@@ -72,6 +72,9 @@ class AnalyticNet(nn.Module):
         truncate: kernel radius in standard deviations (``gaussian``, ``log``).
     """
 
+    smooth: torch.Tensor
+    deriv: torch.Tensor
+
     def __init__(
         self,
         kind: str,

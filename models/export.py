@@ -178,10 +178,11 @@ def export_torchscript(
     try:
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.simplefilter("ignore")  # TracerWarnings and deprecation notices
-            traced = torch.jit.trace(module, torch.zeros((1, in_channels, *export_shape)))
+            example = torch.zeros((1, in_channels, *export_shape))
+            traced = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]
             path.parent.mkdir(parents=True, exist_ok=True)
             traced.save(str(path))
-            loaded = torch.jit.load(str(path))
+            loaded = torch.jit.load(str(path))  # type: ignore[no-untyped-call]
     except Exception as exc:  # torch.jit raises many types
         raise ExportError(f"{name}: TorchScript export failed: {exc}") from exc
     x = _parity_input(in_channels, parity, seed=0)
@@ -213,7 +214,7 @@ def onnx_spec_mapping(
         "output": {"activation": spec.activation, "kind": spec.output_kind, "dtype": spec.output_dtype},
         "defaults": {
             "tile": list(d.tile),
-            "halo": d.halo if isinstance(d.halo, str) else list(d.halo),
+            "halo": list(d.halo) if isinstance(d.halo, tuple) else d.halo,
             "overlap": list(d.overlap) if isinstance(d.overlap, tuple) else d.overlap,
             "blend": d.blend,
             "batch_size": d.batch_size,

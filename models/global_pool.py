@@ -111,6 +111,10 @@ class GlobalPoolingPredictor(OrtPredictor):
     """
 
     _stage_sessions: list[tuple[Any, list[str], list[str]]]
+    plain: OrtPredictor
+    pool_names: list[str]
+    logits_name: str | None
+    context: dict[str, Array] | None
 
     @classmethod
     def wrap(cls, plain: OrtPredictor, *, providers: Sequence[str] | None = None) -> OrtPredictor:
@@ -145,7 +149,7 @@ class GlobalPoolingPredictor(OrtPredictor):
             graph = _subgraph(model, features, upstream)
             session = OrtPredictor(plain.spec, plain.device, providers=providers, model_bytes=graph).session
             self._stage_sessions.append((session, features, [n.output[0] for n in stage]))
-        self.context: dict[str, Array] | None = None
+        self.context = None
         self.logits_name = outputs[1] if len(outputs) > 1 else None
         logger.info(
             "model %s: %d global pools in %d stages read whole-image means",
@@ -157,8 +161,13 @@ class GlobalPoolingPredictor(OrtPredictor):
 
     def _forward(self, batch: torch.Tensor) -> torch.Tensor:
         if self.context is None:
-            return self.plain._forward(batch)
+            out: torch.Tensor = self.plain._forward(batch)
+            return out
         return super()._forward(batch)
+
+    @staticmethod
+    def _read(tile: Any, grid: Any) -> tuple[slice, ...]:
+        return tuple(slice(s, s + t) for s, t in zip(tile.starts, grid.used_tile_shape, strict=True))
 
     def logit_view(self) -> Any:
         """A predictor returning the pre-activation output (same metadata), or ``self``.
@@ -219,40 +228,27 @@ class GlobalPoolingPredictor(OrtPredictor):
         tiles = list(grid.tiles())
         feeds: dict[str, Array] = {}
         for session, features, pooled in self._stage_sessions:
-            sums: list[Array | None] = [None] * len(features)
+            wanted = {i.name for i in session.get_inputs()}
+            sums: dict[int, npt.NDArray[np.float64]] = {}
+            counts: dict[int, int] = {}
             for b in range(0, len(tiles), batch_size):
                 chunk = tiles[b : b + batch_size]
-                reads = [
-                    tuple(slice(s, s + t) for s, t in zip(tl.starts, grid.used_tile_shape, strict=False))
-                    for tl in chunk
-                ]
-                batch = np.stack([padded[(slice(None), *r)] for r in reads])
-                wanted = {i.name for i in session.get_inputs()}
-                maps = session.run(
-                    features, {self.input_name: batch, **{k: v for k, v in feeds.items() if k in wanted}}
-                )
+                batch = np.stack([padded[(slice(None), *self._read(tl, grid))] for tl in chunk])
+                stage_feeds = {k: v for k, v in feeds.items() if k in wanted}
+                maps = session.run(features, {self.input_name: batch, **stage_feeds})
                 for j, fmap in enumerate(maps):
+                    # feature stride per axis: tile voxels per feature voxel
+                    strides = [t // m for t, m in zip(grid.used_tile_shape, fmap.shape[2:], strict=True)]
+                    counts[j] = int(np.prod([e // s for e, s in zip(extent, strides, strict=True)]))
                     for k, tl in enumerate(chunk):
-                        cut = []
-                        for axis, (crop, t) in enumerate(zip(tl.crop, grid.used_tile_shape, strict=False)):
-                            stride = t // fmap.shape[2 + axis]
-                            cut.append(slice(crop.start // stride, crop.stop // stride))
-                        part = fmap[(k, slice(None), *cut)].sum(
-                            axis=tuple(range(1, fmap.ndim - 1)), dtype=np.float64
+                        cut = tuple(
+                            slice(c.start // s, c.stop // s) for c, s in zip(tl.crop, strides, strict=True)
                         )
-                        sums[j] = part if sums[j] is None else sums[j] + part
-            for j, (_feature, name) in enumerate(zip(features, pooled, strict=False)):
-                stride = tile_shape[0] // maps[j].shape[2]
-                n_voxels = int(
-                    np.prod(
-                        [
-                            e // (t // m)
-                            for e, t, m in zip(extent, tile_shape, maps[j].shape[2:], strict=False)
-                        ]
-                    )
-                )
-                assert sums[j] is not None and stride >= 1
-                mean = (sums[j] / n_voxels).astype(np.float32)
+                        axes = tuple(range(1, fmap.ndim - 1))
+                        part = fmap[(k, slice(None), *cut)].sum(axis=axes, dtype=np.float64)
+                        sums[j] = part if j not in sums else sums[j] + part
+            for j, name in enumerate(pooled):
+                mean = (sums[j] / counts[j]).astype(np.float32)
                 feeds[name] = mean.reshape(1, -1, *([1] * len(extent)))
         self.context = feeds
         self.set_extra_feeds(feeds)

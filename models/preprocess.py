@@ -7,7 +7,7 @@ that every tile sees the same normalization and the tiled result equals the whol
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,10 +39,10 @@ def _unit_range(x: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
 
 
 def _per_channel(value: Any, n_channels: int, what: str) -> npt.NDArray[np.float32]:
-    arr = np.asarray(value, dtype=np.float32).reshape(-1)
+    arr: npt.NDArray[np.float32] = np.asarray(value, dtype=np.float32).reshape(-1)
     if arr.size not in (1, n_channels):
         raise InputError(f"normalize.{what} has {arr.size} values for {n_channels} channels")
-    return arr.reshape((-1,) + (1,) * 0)
+    return arr
 
 
 def _apply(step: PreprocessStep, x: npt.NDArray[Any], spec: ModelSpec) -> npt.NDArray[Any]:
@@ -60,7 +60,7 @@ def _apply(step: PreprocessStep, x: npt.NDArray[Any], spec: ModelSpec) -> npt.ND
             return np.tensordot(_LUMA, rgb, axes=1)[None].astype(np.float32)
         return x
     if kind == "rgb_to_bgr":
-        return x[::-1] if x.shape[0] == 3 else x
+        return np.ascontiguousarray(x[::-1]) if x.shape[0] == 3 else x
     if kind == "unit_range":
         return _unit_range(x)
     xf = x.astype(np.float32, copy=False)
@@ -72,14 +72,15 @@ def _apply(step: PreprocessStep, x: npt.NDArray[Any], spec: ModelSpec) -> npt.ND
         std = float(xf.std(dtype=np.float64))
         return ((xf - mean) / (std if std > 0 else 1.0)).astype(np.float32)
     if kind == "percentile":
-        lo, hi = np.percentile(xf, [float(p["lo"]), float(p["hi"])])
-        span = float(hi - lo) if hi > lo else 1.0
-        return np.clip((xf - lo) / span, 0.0, 1.0).astype(np.float32)
+        lo, hi = (float(v) for v in np.percentile(xf, [float(p["lo"]), float(p["hi"])]))
+        span = hi - lo if hi > lo else 1.0
+        scaled: npt.NDArray[np.float32] = np.clip((xf - lo) / span, 0.0, 1.0).astype(np.float32)
+        return scaled
     if kind == "normalize":
         shape = (-1,) + (1,) * spec.spatial_dims
-        mean = _per_channel(p["mean"], x.shape[0], "mean").reshape(shape)
-        std = _per_channel(p["std"], x.shape[0], "std").reshape(shape)
-        return ((xf - mean) / std).astype(np.float32)
+        centre = _per_channel(p["mean"], x.shape[0], "mean").reshape(shape)
+        spread = _per_channel(p["std"], x.shape[0], "std").reshape(shape)
+        return ((xf - centre) / spread).astype(np.float32)
     raise AssertionError(f"unknown step {kind!r}")  # spec validation rules this out
 
 
@@ -125,6 +126,7 @@ def make_reduce(
         activation: ``none``, ``sigmoid`` or ``softmax`` (over channels).
         kind: ``probabilities`` (``(C_out, *r)`` float32) or ``labels`` (``(1, *r)`` uint8: argmax
             over channels, or ``p > threshold`` when there is one channel).
+        threshold: probability above which a one-channel output is labelled 1.
 
     Returns:
         ``None`` when nothing needs doing (no activation, probabilities), else a function mapping a
@@ -148,12 +150,3 @@ def make_reduce(
         return torch.argmax(y, dim=0, keepdim=True).to(torch.uint8)
 
     return reduce
-
-
-def channel_check(spec: ModelSpec, shape: Sequence[int]) -> None:
-    """Raise :class:`InputError` when a batch ``(B, C, *tile)`` does not fit ``spec``."""
-    if len(shape) != spec.spatial_dims + 2 or shape[1] != spec.in_channels:
-        raise InputError(
-            f"model {spec.name!r} takes batches (B, {spec.in_channels}, *tile) with "
-            f"{spec.spatial_dims} spatial axes, got {tuple(shape)}"
-        )

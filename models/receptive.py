@@ -133,7 +133,8 @@ def probe_receptive_field(
         # algorithm, hence the rounding, so comparisons stay within one call.
         batch = np.repeat(base, len(chunk) + 1, axis=0)
         for i, p in enumerate(chunk, start=1):
-            batch[(i, slice(None), *p)] += delta
+            where: tuple[Any, ...] = (i, slice(None), *p)
+            batch[where] += delta
         out = _run(predictor, batch, len(chunk) + 1)
         for i, p in enumerate(chunk, start=1):
             changed = np.abs(out[i] - out[0]).max(axis=0) > atol
@@ -166,7 +167,8 @@ def _synthetic_sample(shape: tuple[int, ...], channels: int, seed: int) -> npt.N
         mode="linear" if len(shape) == 1 else ("bilinear" if len(shape) == 2 else "trilinear"),
         align_corners=False,
     )[0].numpy()
-    return (x + 0.3 * rng.standard_normal(x.shape).astype(np.float32)).astype(np.float32)
+    noisy: npt.NDArray[np.float32] = (x + 0.3 * rng.standard_normal(x.shape)).astype(np.float32)
+    return noisy
 
 
 def calibrate_halo(

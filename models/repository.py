@@ -32,8 +32,8 @@ __all__ = ["DEFAULT_MODELS_DIR", "Model", "ModelRepository"]
 
 logger = logging.getLogger(__name__)
 
-#: Model folder used when settings name none (expanded with ``Path.expanduser`` when used).
-DEFAULT_MODELS_DIR = Path("~/.cache/tilewise/models")
+#: Model folder used when settings name none: ``~/.cache/tilewise/models`` (home expanded).
+DEFAULT_MODELS_DIR = Path("~/.cache/tilewise/models").expanduser()
 _BUILTIN_DIR = Path(__file__).parent / "builtin"
 _SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 #: Largest probe input per spatial_dims when the receptive field keeps reaching the probe's edge.
@@ -160,11 +160,14 @@ class Model:
         """Per-axis halo: explicit, or ``"auto"``: calibrated on ``x``, capped by the radius."""
         if halo != "auto":
             return tuple(int(h) for h in halo)
-        spatial = x.shape[1:]
-        if all(s <= t for s, t in zip(spatial, tile, strict=False)):
+        align = self.spec.alignment
+        extent = [-(-s // align) * align for s in x.shape[1:]]
+        if all(e <= t for e, t in zip(extent, tile, strict=True)):
             return (0,) * len(tile)  # one tile covers the image: no seam to protect
         radius = self.receptive_field()
-        sample = x if all(s >= t for s, t in zip(spatial, tile, strict=False)) else None
+        # the image itself is the sample, zero-padded (as tiling pads) where smaller than a tile
+        grow = [(0, 0)] + [(0, max(0, t - s)) for s, t in zip(x.shape[1:], tile, strict=True)]
+        sample = np.pad(x, grow) if any(g[1] for g in grow) else x
         calibrated = self.calibrate(tile, tolerance, sample).halo
         return tuple(min(calibrated, r, t // 2 - 1) for r, t in zip(radius, tile, strict=False))
 
@@ -188,7 +191,8 @@ class Model:
             progress: show a progress bar over tiles.
 
         Returns:
-            ``(C_out, *spatial * scale)`` float32 probabilities (after the activation), or
+            ``(C_out, *spatial * scale)`` probabilities after the activation (float32, or float16
+            when the spec's output dtype says so), or
             ``(*spatial * scale)`` uint8 labels (argmax over channels; ``p > 0.5`` for one channel).
 
         Raises:
@@ -196,7 +200,6 @@ class Model:
             GridError: an invalid tile, halo, overlap, blend or batch size.
             InferenceError: the backend failed (``DeviceOutOfMemoryError`` when out of memory).
         """
-
         spec = self.spec
         resolved = (options or InferenceOptions()).resolve(spec)
         x = preprocess(data, spec)
@@ -216,7 +219,9 @@ class Model:
         )
         if resolved.output == "labels":
             return out if out is not None else np.asarray(result)[0]
-        return result if out is not None else np.asarray(result, dtype=np.float32)
+        if out is not None:
+            return out
+        return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
 
     def _run(
         self,
@@ -371,7 +376,9 @@ def _central_crop(
 def _load(spec: ModelSpec, device: str | None, providers: Sequence[str] | None) -> BasePredictor:
     predictor = load_predictor(spec, device, providers=providers)
     if spec.global_pooling and spec.backend == "onnx":
+        from models.backends.ort import OrtPredictor
         from models.global_pool import GlobalPoolingPredictor
 
+        assert isinstance(predictor, OrtPredictor)
         return GlobalPoolingPredictor.wrap(predictor, providers=providers)
     return predictor

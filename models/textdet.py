@@ -28,6 +28,7 @@ __all__ = [
     "WHEEL_MEMBER",
     "WHEEL_REQUIREMENT",
     "setup_text_det",
+    "text_det_mapping",
     "text_det_spec",
 ]
 

@@ -65,7 +65,7 @@ def load_eager_module(spec: ModelSpec) -> nn.Module:
             with warnings.catch_warnings():
                 # TorchScript is deprecated upstream but remains a supported input format here.
                 warnings.filterwarnings("ignore", message=".*torch.jit.*", category=DeprecationWarning)
-                module: nn.Module = torch.jit.load(str(path), map_location="cpu")
+                module: nn.Module = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
         except (RuntimeError, ValueError) as exc:
             raise WeightsError(f"model {spec.name!r}: {path} is not a TorchScript file: {exc}") from exc
     else:
@@ -105,7 +105,7 @@ class EagerPredictor(BasePredictor):
             torch.backends.cudnn.benchmark = True
             if spec.channels_last and spec.spatial_dims in (2, 3):
                 self.memory_format = torch.channels_last if spec.spatial_dims == 2 else torch.channels_last_3d
-                self.module = self.module.to(memory_format=self.memory_format)
+                self.module = self.module.to(memory_format=self.memory_format)  # type: ignore[call-overload]
         logger.info(
             "model %s: %s on %s (autocast %s, channels_last %s)",
             spec.name,

@@ -148,6 +148,8 @@ class OrtPredictor(BasePredictor):
         self.output_name = self.session.get_outputs()[0].name
         self.extra_feeds: dict[str, np.ndarray[Any, Any]] = {}
         self.on_cuda = device.type == "cuda" and self.providers[0] != "CPUExecutionProvider"
+        if not self.on_cuda:
+            self.device = torch.device("cpu")  # batches stay on the host for a CPU session
 
     def describe(self) -> dict[str, Any]:
         """Backend, device and the execution providers really obtained."""

@@ -100,3 +100,14 @@ def test_tiled_auto_halo_matches_whole_image(text_det, radiograph: np.ndarray, w
     assert tiled.shape == (1, *image.shape[1:])
     assert 0 < halo[0] <= text_det.receptive_field()[0]
     assert err <= 1e-3
+
+
+def test_global_pools_are_found(text_det) -> None:
+    """The 10 squeeze-excitation pools form 4 dependent stages.
+
+    Stage 0: the backbone's first pool and 3 neck pools whose inputs precede it; then one backbone
+    pool each; then the 4 pools after the neck's top-down path.
+    """
+    predictor = text_det.predictor
+    assert len(predictor.pool_names) == 10
+    assert [len(stage[1]) for stage in predictor._stage_sessions] == [4, 1, 1, 4]

@@ -261,9 +261,9 @@ def test_client_that_disconnects_frees_its_queue_slot(server: Server, anatomical
 
     depth = "tilewise_queue_depth "
     assert _wait_for(lambda: _metric(server.url, depth) == 0)
-    volume = np.random.default_rng(0).random((48, 48, 48), dtype=np.float32)
+    volume = np.random.default_rng(0).random((64, 64, 64), dtype=np.float32)  # 4096 tiles of 20^3
     slow_body = nib.Nifti1Image(volume, np.eye(4)).to_bytes()
-    slow_url = f"{server.url}/v1/models/gaussian-3d/infer?tile=22&halo=8&batch_size=1&format=nii"
+    slow_url = f"{server.url}/v1/models/gaussian-3d/infer?tile=20&halo=8&batch_size=1&format=nii"
     result: list[int] = []
     slow = threading.Thread(
         target=lambda: result.append(httpx.post(slow_url, content=slow_body, timeout=300).status_code)

@@ -1,0 +1,60 @@
+"""`__all__` of `models` and of each of its modules is complete, sorted and resolvable (httpx)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import models
+import models.backends
+
+MODULES = sorted(
+    ["models", "models.backends"]
+    + [f"models.{m.name}" for m in pkgutil.iter_modules(models.__path__) if not m.ispkg]
+    + [f"models.backends.{m.name}" for m in pkgutil.iter_modules(models.backends.__path__)]
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_module_all(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = module.__all__
+    assert exported == sorted(exported) and len(set(exported)) == len(exported)
+    assert all(hasattr(module, n) for n in exported)
+    defined = {
+        n
+        for n, obj in vars(module).items()
+        if not n.startswith("_")
+        and (inspect.isclass(obj) or inspect.isfunction(obj))
+        and getattr(obj, "__module__", None) == module.__name__
+    }
+    assert defined <= set(exported)
+
+
+def test_contract_names() -> None:
+    for name in (
+        "ModelSpec",
+        "ModelRepository",
+        "Model",
+        "InferenceOptions",
+        "DEFAULT_MODELS_DIR",
+        "SpecError",
+        "InputError",
+        "UnknownModelError",
+        "BackendUnavailableError",
+        "DeviceOutOfMemoryError",
+    ):
+        assert name in models.__all__, name
+    assert models.DEFAULT_MODELS_DIR == Path("~/.cache/tilewise/models").expanduser()
+
+
+def test_models_never_imports_service_and_loads_no_onnxruntime_eagerly() -> None:
+    code = "import sys, models; print(any(m == 'service' or m.startswith('service.') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
