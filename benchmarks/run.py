@@ -146,6 +146,12 @@ def aligned_stride(tile: int, halo: int, alignment: int, overlap: int = 0) -> in
     return (tile - 2 * halo - overlap) // alignment * alignment
 
 
+def monai_passes(shape: Sequence[int], tile: int, overlap: float) -> int:
+    """Windows of MONAI's ``sliding_window_inference`` (its ``_get_scan_interval`` arithmetic)."""
+    interval = max(1, int(tile * (1 - overlap)))
+    return math.prod(1 if n <= tile else -(-(n - tile) // interval) + 1 for n in shape)
+
+
 def monai_overlap_for(tile: int, stride: int) -> float:
     """The MONAI ``overlap`` fraction whose scan interval ``int(tile * (1 - overlap))`` is ``stride``."""
     overlap = 1.0 - (stride + 0.5) / tile
@@ -836,12 +842,23 @@ class Bench:
             self.add("3d-batch", "all", {}, skip=why)
             return
         data = mni_volume(self.cache, spacing_mm=m.spacing_mm)
+        shape = [int(v) for v in _shape(data).split("x")]
         stride = aligned_stride(m.tile, m.halo, UNET_ALIGNMENT)
-        overlap = monai_overlap_for(m.tile, stride)
+        from tiling import TileGrid
+
+        tw_passes = TileGrid.plan(shape, m.tile, m.halo, alignment=UNET_ALIGNMENT).n_tiles
+        overlap = 0.25
+        if monai_passes(shape, m.tile, overlap) != tw_passes:  # fall back to the very same stride
+            overlap = monai_overlap_for(m.tile, stride)
+        monai_stride = int(m.tile * (1 - overlap))
+        patch_overlap = m.tile - monai_stride
+        patch_overlap += patch_overlap % 2  # TorchIO wants an even overlap
         self.notes.append(
-            f"3D case: MNI152 T1 resampled to {m.spacing_mm} mm ({_shape(data)}), tile {m.tile}, "
-            f"tilewise halo {m.halo} and alignment {UNET_ALIGNMENT} give stride {stride}; MONAI overlap "
-            f"{overlap:.4f} and TorchIO patch_overlap {m.tile - stride} give the same stride."
+            f"3D case: MNI152 T1 resampled to {m.spacing_mm} mm ({_shape(data)}), tile {m.tile}. tilewise "
+            f"halo {m.halo} with alignment {UNET_ALIGNMENT} gives stride {stride} ({m.tile} - 2 x {m.halo} "
+            f"rounded down to {UNET_ALIGNMENT}); MONAI overlap {overlap:.3g} gives stride {monai_stride} and "
+            f"TorchIO patch_overlap {patch_overlap} stride {m.tile - patch_overlap}: the same number of "
+            f"forward passes ({tw_passes}) on this volume."
         )
         variants = ["unet-batch"] + (["unet-instance"] if m.instance else [])
         for model in variants:
@@ -855,7 +872,7 @@ class Bench:
             for mode in m.monai_modes:
                 self.add(
                     case,
-                    f"MONAI {mode}, overlap 0.25",
+                    f"MONAI {mode}, overlap {overlap:.3g}",
                     {**base, "kind": "monai", "overlap": overlap, "mode": mode},
                     skip=None if self.have_monai else "monai not installed",
                 )
@@ -863,12 +880,12 @@ class Bench:
                 self.add(
                     case,
                     f"TorchIO {mode}",
-                    {**base, "kind": "torchio", "mode": mode, "patch_overlap": m.tile - stride},
+                    {**base, "kind": "torchio", "mode": mode, "patch_overlap": patch_overlap},
                     skip=None if self.have_torchio else "torchio not installed",
                 )
             self.add(
                 case,
-                f"tilewise halo {m.halo} (same stride)",
+                f"tilewise halo {m.halo} (same tile, same passes)",
                 {**base, "kind": "tilewise", "halo": m.halo, "disagreement": True},
             )
             if model == "unet-batch":
@@ -985,11 +1002,11 @@ class Bench:
             return
         base["reference"] = str(ref)
         stride = aligned_stride(m.tile2d, m.halo2d, 32)
-        overlap = monai_overlap_for(m.tile2d, stride)
+        overlap = 0.25 if int(m.tile2d * 0.75) == stride else monai_overlap_for(m.tile2d, stride)
         for mode in ("constant", "gaussian"):
             self.add(
                 "2d",
-                f"MONAI {mode}, overlap 0.25",
+                f"MONAI {mode}, overlap {overlap:.3g}",
                 {**base, "kind": "monai", "overlap": overlap, "mode": mode},
                 skip=None if self.have_monai else "monai not installed",
             )

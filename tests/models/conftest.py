@@ -61,7 +61,8 @@ def mni152() -> np.ndarray:
         / "data"
         / "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz"
     )
-    data = np.asarray(nib.load(path).dataobj, dtype=np.float32)
+    image: Any = nib.load(path)
+    data = np.asarray(image.get_fdata(dtype=np.float32), dtype=np.float32)
     return data / np.float32(data.max())
 
 

@@ -22,10 +22,12 @@ logger = logging.getLogger(__name__)
 
 def oracle(kind: str, x: np.ndarray, sigma: float = 2.0) -> np.ndarray:
     if kind == "gaussian":
-        return ndi.gaussian_filter(x, sigma=sigma, truncate=4.0, mode="constant")
-    if kind == "log":
-        return ndi.gaussian_laplace(x, sigma=sigma, truncate=4.0, mode="constant")
-    return np.sqrt(sum(ndi.sobel(x, axis=a, mode="constant") ** 2 for a in range(x.ndim)))
+        out = ndi.gaussian_filter(x, sigma=sigma, truncate=4.0, mode="constant")
+    elif kind == "log":
+        out = ndi.gaussian_laplace(x, sigma=sigma, truncate=4.0, mode="constant")
+    else:
+        out = np.sqrt(sum(ndi.sobel(x, axis=a, mode="constant") ** 2 for a in range(x.ndim)))
+    return np.asarray(out)
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,14 @@ from models.nets import UNet
 
 logger = logging.getLogger(__name__)
 
-UNET_PARAMS = {"features": 4, "levels": 2, "norm": "batch"}
+UNET_PARAMS: dict[str, Any] = {"features": 4, "levels": 2, "norm": "batch"}
 
 
 def _unet() -> UNet:
     torch.manual_seed(0)
     net = UNet(3, 1, 2, **UNET_PARAMS)
     for m in net.modules():  # non-trivial running statistics, so eval-mode BN matters
-        if isinstance(m, nn.BatchNorm3d):
+        if isinstance(m, nn.BatchNorm3d) and m.running_mean is not None and m.running_var is not None:
             m.running_mean.uniform_(-0.2, 0.2)
             m.running_var.uniform_(0.5, 1.5)
     return net.eval()

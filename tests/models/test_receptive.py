@@ -27,7 +27,8 @@ class Stack:
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            return self.net(batch)
+            out: torch.Tensor = self.net(batch)
+        return out
 
 
 def plain(nd: int) -> Stack:  # radius 1 + 1 + 2 = 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -85,7 +86,7 @@ def test_good_spec_loads(tmp_path: Path) -> None:
         pytest.param({"architecture": None}, "'architecture' is required", id="eager-needs-arch"),
     ],
 )
-def test_invalid_spec_names_file_and_field(tmp_path: Path, change: dict, field: str) -> None:
+def test_invalid_spec_names_file_and_field(tmp_path: Path, change: dict[str, Any], field: str) -> None:
     path = _write(tmp_path, {**GOOD, **change})
     with pytest.raises(SpecError) as info:
         load_spec(path)

@@ -63,15 +63,15 @@ def page_image() -> np.ndarray:
     """scikit-image's page (191x384) upscaled bilinearly to 1024x2048, uint8 ``(1, H, W)``."""
     from skimage import data, transform
 
-    page = transform.resize(data.page(), (1024, 2048), order=1, anti_aliasing=False)
-    return (page * 255).round().astype(np.uint8)[None]
+    page = transform.resize(data.page(), (1024, 2048), order=1, anti_aliasing=False)  # type: ignore[no-untyped-call]
+    return np.asarray((page * 255).round().astype(np.uint8)[None])
 
 
 def radiograph_image(radiograph: np.ndarray) -> np.ndarray:
     """RG1_UNCR's top 1024x1824 (MONOCHROME1 raw values), 1-99 percentile window, uint8."""
     crop = radiograph[:1024, :1824]
     lo, hi = np.percentile(crop, [1, 99])
-    return (np.clip((crop - lo) / (hi - lo), 0, 1) * 255).round().astype(np.uint8)[None]
+    return np.asarray((np.clip((crop - lo) / (hi - lo), 0, 1) * 255).round().astype(np.uint8)[None])
 
 
 @pytest.mark.parametrize("which", ["page", "radiograph"])
@@ -111,3 +111,26 @@ def test_global_pools_are_found(text_det) -> None:
     predictor = text_det.predictor
     assert len(predictor.pool_names) == 10
     assert [len(stage[1]) for stage in predictor._stage_sessions] == [4, 1, 1, 4]
+
+
+def test_setup_downloads_the_wheel_without_dependencies(
+    tmp_path: Path, wheel_path: Path | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --wheel, setup runs `pip download --no-deps rapidocr-onnxruntime==1.4.4` (faked here)."""
+    import shutil
+    import subprocess
+
+    if wheel_path is None:
+        pytest.skip("no local wheel to stand in for the download")
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        shutil.copy(wheel_path, Path(cmd[cmd.index("--dest") + 1]) / wheel_path.name)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    setup_text_det(tmp_path)
+    assert len(calls) == 1 and calls[0][1:4] == ["-m", "pip", "download"]
+    assert "--no-deps" in calls[0] and calls[0][-1] == "rapidocr-onnxruntime==1.4.4"
+    assert sha256_file(tmp_path / TEXT_DET_FILE) == TEXT_DET_SHA256
