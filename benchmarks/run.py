@@ -15,8 +15,8 @@ whole-image output (one forward pass over the image zero-padded to the network's
 Outputs (``--out``, default ``benchmarks/out``): ``results.json``, ``results.md`` (the Markdown
 tables and the targets, also printed) and ``speed_vs_seam.png`` (needs matplotlib).
 
-Cases (see ``--cases``): ``3d`` (MNI152 T1 through a fixed-seed MONAI BasicUNet, batch norm in
-eval mode and instance norm), ``sweep`` (time against seam error), ``shallow`` (analytic
+Cases (see ``--cases``): ``3d`` and ``instance`` (MNI152 T1 through a fixed-seed MONAI BasicUNet,
+batch norm in eval mode, and instance norm), ``sweep`` (time against seam error), ``shallow`` (analytic
 Laplacian of Gaussian with ``halo="auto"``), ``2d`` (RG1_UNCR.dcm through ``text-det-2d``),
 ``scaling`` (64^3 to 384^3, in memory and on-disk ``out`` against MONAI) and ``service`` (HTTP
 against in process). A contender whose package is missing (MONAI, TorchIO, the ONNX file, the
@@ -76,7 +76,6 @@ class Mode:
     halo: int
     repeats: int
     sweep_repeats: int
-    instance: bool  # run the instance-norm variant
     torchio_modes: tuple[str, ...]
     instance_torchio_modes: tuple[str, ...]
     monai_modes: tuple[str, ...]
@@ -100,7 +99,6 @@ FULL = Mode(
     halo=12,
     repeats=3,
     sweep_repeats=1,
-    instance=True,
     torchio_modes=("crop", "average", "hann"),
     instance_torchio_modes=("hann",),
     monai_modes=("constant", "gaussian"),
@@ -114,7 +112,8 @@ FULL = Mode(
     scaling_halo=12,
     tile2d=512,
     halo2d=64,
-    cases=("3d", "sweep", "shallow", "2d", "scaling", "service"),
+    # Cases in order of priority (--max-minutes skips what is left when time runs out).
+    cases=("3d", "shallow", "scaling", "service", "sweep", "instance", "2d"),
 )
 QUICK = Mode(
     name="quick",
@@ -123,7 +122,6 @@ QUICK = Mode(
     halo=8,
     repeats=3,
     sweep_repeats=1,
-    instance=False,
     torchio_modes=("crop",),
     instance_torchio_modes=("crop",),
     monai_modes=("constant",),
@@ -394,7 +392,15 @@ def make_runner(
         def run() -> Any:
             return model.run(data, options)
 
-        return run, run  # the warm-up run also calibrates the halo (cached per model and tile)
+        def warm() -> None:  # probe the receptive field and calibrate the halo (both cached)
+            from models.preprocess import preprocess
+
+            resolved = options.resolve(model.spec)
+            x = preprocess(np.asarray(data), model.spec)
+            halo = model.resolve_halo(resolved.halo, resolved.tile, resolved.halo_tolerance, x)
+            meta["plan"] = {"tile": list(resolved.tile), "halo": list(halo)}
+
+        return run, warm
 
     if kind == "tilewise":
         from tiling import tiled_inference
@@ -579,6 +585,7 @@ def worker_main(job_path: str) -> int:
     result: dict[str, Any] = {
         "times_s": times,
         "time_s": statistics.median(times),
+        "min_s": min(times),
         "peaks_bytes": peaks,
         "peak_mb": statistics.median(peaks) / MB,
         "forward_passes": passes[-1] if counted else None,
@@ -588,6 +595,8 @@ def worker_main(job_path: str) -> int:
         "out_max_abs": float(np.abs(out).max()),
         "voxels": int(np.prod(data.shape[1:])),
     }
+    if "plan" in meta:
+        result["plan"] = meta["plan"]
     if job.get("save"):
         np.save(job["save"], out)
     if job.get("reference"):
@@ -751,6 +760,10 @@ class Bench:
         self.have_monai = _importable("monai")
         self.have_torchio = _importable("torchio")
 
+    def over_budget(self) -> bool:
+        limit = self.args.max_minutes
+        return limit is not None and time.perf_counter() - self.started > 60 * limit
+
     def log(self, msg: str) -> None:
         elapsed = time.perf_counter() - self.started
         print(f"[{elapsed:6.0f}s] {msg}", file=sys.stderr, flush=True)
@@ -787,6 +800,8 @@ class Bench:
         }
         row = Row(case, contender, params)
         self.rows.append(row)
+        if skip is None and self.over_budget():
+            skip = f"time budget of {self.args.max_minutes:g} minutes spent"
         if skip:
             row.status, row.note = "skipped", skip
             self.log(f"{case} / {contender}: skipped ({skip})")
@@ -834,7 +849,10 @@ class Bench:
 
     # -- cases ----------------------------------------------------------------------------------
 
-    def case_3d(self) -> None:
+    def case_instance(self) -> None:
+        self.case_3d(variants=("unet-instance",))
+
+    def case_3d(self, variants: Sequence[str] = ("unet-batch",)) -> None:
         m = self.mode
         if not self.have_monai:
             why = "monai not installed (pip install -e '.[bench]'): the U-Net is MONAI's BasicUNet"
@@ -860,7 +878,6 @@ class Bench:
             f"TorchIO patch_overlap {patch_overlap} stride {m.tile - patch_overlap}: the same number of "
             f"forward passes ({tw_passes}) on this volume."
         )
-        variants = ["unet-batch"] + (["unet-instance"] if m.instance else [])
         for model in variants:
             case = f"3d-{model.split('-')[1]}"
             ref = self.work / f"ref_{model}.npy"
@@ -1209,7 +1226,7 @@ class Bench:
             "calibrations": self.calibrations,
             "results": [r.as_dict() for r in self.rows],
             "targets": targets,
-            "notes": self.notes,
+            "notes": list(dict.fromkeys(self.notes)),
             "total_s": time.perf_counter() - self.started,
         }
         (self.out / "results.json").write_text(json.dumps(report, indent=2, default=str))
@@ -1401,7 +1418,16 @@ def plot_speed_vs_seam(rows: Sequence[Row], path: Path) -> Path | None:
     whole = _find(rows, "3d-batch", "whole")
     if whole is not None:
         ax.axvline(whole.get("time_s"), color="grey", linestyle="--", linewidth=1)
-        ax.annotate("whole volume", (whole.get("time_s"), floor * 10), fontsize=7, rotation=90, color="grey")
+        ax.annotate(
+            "whole volume (no seams)",
+            (whole.get("time_s"), 0.5),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            rotation=90,
+            color="grey",
+            xytext=(3, 0),
+            textcoords="offset points",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("wall time (s, median)")
     ax.set_ylabel("seam error: max abs difference to the whole volume")
@@ -1432,20 +1458,20 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         "Columns: passes = tiles through the network (last run); work = voxels fed to the network / image "
-        "voxels; time = median wall time; x whole = time / the whole-image pass of the same case; peak MB = "
-        "peak RssAnon above the level before the call (median over runs); max/mean abs diff = to the "
-        "whole-image output (the seam error)."
+        "voxels; time = median wall time (min s: the fastest run); x whole = time / the whole-image pass "
+        "of the same case; peak MB = peak RssAnon above the level before the call (median over runs); "
+        "max/mean abs diff = to the whole-image output (the seam error)."
     )
     lines.append("")
     cases: dict[str, list[dict[str, Any]]] = {}
     for r in report["results"]:
         cases.setdefault(r["case"], []).append(r)
     header = (
-        "| contender | passes | work | time s | x whole | us/voxel | peak MB | max abs diff | "
+        "| contender | passes | work | time s | min s | x whole | us/voxel | peak MB | max abs diff | "
         "mean abs diff | note |"
     )
     for case, rs in cases.items():
-        lines += [f"### {case}", "", header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"### {case}", "", header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rs:
             note = r.get("note", "")
             if r["status"] != "ok":
@@ -1456,6 +1482,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"tile disagreement max {r['tile_disagreement_max']:.3g} / mean "
                     f"{r['tile_disagreement_mean']:.3g}"
                 )
+            if "plan" in r:
+                extra.append(
+                    f"tile {r['plan']['tile']}, calibrated halo {r['plan']['halo']}; warm-up "
+                    f"(receptive-field probe + halo calibration) {r['warmup_s']:.1f} s"
+                )
             if "calibration_s" in r:
                 extra.append(f"calibration {r['calibration_s']:.1f} s (once per model and tile)")
             if "times_s" in r and len(r["times_s"]) > 1:
@@ -1463,7 +1494,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             note = "; ".join(filter(None, [note.replace("|", "/"), *extra]))
             lines.append(
                 f"| {r['contender']} | {r.get('forward_passes') or '-'} | {_fmt(r.get('work'), '.2f')} | "
-                f"{_fmt(r.get('time_s'), '.2f')} | "
+                f"{_fmt(r.get('time_s'), '.2f')} | {_fmt(r.get('min_s'), '.2f')} | "
                 f"{_fmt(r.get('ratio_whole'), '.2f')} | {_fmt(r.get('us_per_voxel'), '.2f')} | "
                 f"{_fmt(r.get('peak_mb'), '.0f')} | {_fmt(r.get('max_abs'), '.3g')} | "
                 f"{_fmt(r.get('mean_abs'), '.3g')} | {note} |"
@@ -1629,7 +1660,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch.set_num_threads")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per contender (median reported)")
     p.add_argument(
-        "--cases", default=None, help="comma-separated subset of: 3d,sweep,shallow,2d,scaling,service"
+        "--cases",
+        default=None,
+        help="comma-separated subset of: 3d,shallow,scaling,service,sweep,2d,instance",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="skip the contenders left when this much time has passed (cases run in priority order)",
     )
     p.add_argument("--profile", action="store_true", help="torch-profile the 3D contenders (one more run)")
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds per worker before it is killed")

@@ -111,6 +111,7 @@ class GlobalPoolingPredictor(OrtPredictor):
     """
 
     _stage_sessions: list[tuple[Any, list[str], list[str]]]
+    _means_session: Any
     plain: OrtPredictor
     pool_names: list[str]
     logits_name: str | None
@@ -149,6 +150,16 @@ class GlobalPoolingPredictor(OrtPredictor):
             graph = _subgraph(model, features, upstream)
             session = OrtPredictor(plain.spec, plain.device, providers=providers, model_bytes=graph).session
             self._stage_sessions.append((session, features, [n.output[0] for n in stage]))
+        # One pass of the original graph with every pool's output exposed: the exact means when
+        # a single tile covers the image (calibration samples, frozen contexts), in ~1/3 the time
+        # of the stage-by-stage passes.
+        whole = onnx.ModelProto()
+        whole.CopyFrom(model)
+        for name in (n.output[0] for n in pools):
+            whole.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+        self._means_session = OrtPredictor(
+            plain.spec, plain.device, providers=providers, model_bytes=whole.SerializeToString()
+        ).session
         self.context = None
         self.logits_name = outputs[1] if len(outputs) > 1 else None
         logger.info(
@@ -227,7 +238,10 @@ class GlobalPoolingPredictor(OrtPredictor):
         grid = TileGrid.plan(extent, tile_shape, tuple(halo or (0,) * len(extent)), alignment=align)
         tiles = list(grid.tiles())
         feeds: dict[str, Array] = {}
-        for session, features, pooled in self._stage_sessions:
+        if len(tiles) == 1:  # one tile is the whole (padded) image: its own pools are the means
+            means = self._means_session.run(self.pool_names, {self.input_name: padded[None]})
+            feeds = {n: np.asarray(m, dtype=np.float32) for n, m in zip(self.pool_names, means, strict=True)}
+        for session, features, pooled in self._stage_sessions if len(tiles) > 1 else ():
             wanted = {i.name for i in session.get_inputs()}
             sums: dict[int, npt.NDArray[np.float64]] = {}
             counts: dict[int, int] = {}

@@ -28,6 +28,14 @@ _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 
 
 def _unit_range(x: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+    """Scale to [0, 1]: integers by their dtype's range, floats by the whole image's min-max.
+
+    ``uint8``/``uint16``/... divide by the dtype's max (signed ones map the dtype's range), so a
+    dark 8-bit image stays dark. Floats carry no such range: float data already within [0, 1] is
+    kept as is; any other float image (a float TIFF or NIfTI) is min-max scaled over the whole
+    image (``(x - min) / (max - min)``, non-finite values ignored for the statistics; a constant
+    image becomes 0).
+    """
     if np.issubdtype(x.dtype, np.integer):
         info = np.iinfo(x.dtype)
         if info.min < 0:
@@ -35,7 +43,20 @@ def _unit_range(x: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
         return (x.astype(np.float32) / info.max).astype(np.float32)
     if x.dtype == np.bool_:
         return x.astype(np.float32)
-    return x.astype(np.float32, copy=False)
+    xf = x.astype(np.float32, copy=False)
+    if xf.size == 0:
+        return xf
+    lo, hi = float(xf.min()), float(xf.max())
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        finite = xf[np.isfinite(xf)]
+        if finite.size == 0:
+            return xf
+        lo, hi = float(finite.min()), float(finite.max())
+    if lo >= 0.0 and hi <= 1.0:
+        return xf
+    logger.debug("unit_range: float image in [%g, %g], min-max scaled to [0, 1]", lo, hi)
+    span = hi - lo if hi > lo else 1.0
+    return ((xf - np.float32(lo)) / np.float32(span)).astype(np.float32)
 
 
 def _per_channel(value: Any, n_channels: int, what: str) -> npt.NDArray[np.float32]:

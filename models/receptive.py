@@ -49,7 +49,11 @@ class ReceptiveField:
 
 @dataclass(frozen=True, slots=True)
 class HaloCalibration:
-    """Result of :func:`calibrate_halo`: the chosen ``halo``, its ``error`` and the error per halo."""
+    """Result of :func:`calibrate_halo`: the chosen ``halo``, its ``error`` and the error per halo.
+
+    ``sample`` says what the halo was calibrated on (``"synthetic sample"``, or ``"sample
+    <shape>-<fingerprint>"`` when :meth:`models.Model.calibrate` got real data).
+    """
 
     halo: int
     error: float
@@ -57,6 +61,7 @@ class HaloCalibration:
     errors: dict[int, float]
     met: bool
     seconds: float
+    sample: str = "synthetic sample"
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -213,6 +218,7 @@ def calibrate_halo(
     limit = min(tile) // 2 - 1
     margin = limit if max_halo is None else max(0, min(int(max_halo), limit))
     margin_al = _round_up(margin, align)
+    synthetic = sample is None
     if sample is None:
         sample = _synthetic_sample(tuple(t + 2 * margin_al for t in tile), int(predictor.in_channels), seed)
     spatial = tuple(_round_up(s, align) for s in sample.shape[1:])
@@ -256,6 +262,7 @@ def calibrate_halo(
         {h: float(e) for h, e in enumerate(errors)},
         met,
         time.perf_counter() - start,
+        "synthetic sample" if synthetic else "given sample",
     )
     if not met:
         logger.warning("no halo up to %d meets tolerance %g (error %g)", margin, tolerance, errors[halo])

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
+import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ from models.receptive import (
 from models.spec import ModelSpec, load_spec
 from models.textdet import TEXT_DET_FILE, TEXT_DET_NAME, text_det_spec
 
-__all__ = ["DEFAULT_MODELS_DIR", "Model", "ModelRepository"]
+__all__ = ["DEFAULT_MODELS_DIR", "Model", "ModelRepository", "sample_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,23 @@ _BUILTIN_DIR = Path(__file__).parent / "builtin"
 _SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 #: Largest probe input per spatial_dims when the receptive field keeps reaching the probe's edge.
 _MAX_PROBE = {1: 8192, 2: 1024, 3: 96}
+#: Calibrated halos kept per model (one per tile, tolerance and sample fingerprint), LRU.
+_HALO_CACHE_SIZE = 64
+#: Points per axis of the strided subsample that a sample's fingerprint hashes.
+_FINGERPRINT_POINTS = 64
+
+
+def sample_fingerprint(x: npt.NDArray[Any]) -> str:
+    """A cheap fingerprint of a ``(C, *spatial)`` sample: shape, whole sum, strided subsample hash.
+
+    The subsample takes about 64 points per axis; the float64 sum reads every value once, so two
+    images that differ anywhere almost surely differ here (cost: one pass, far below a forward).
+    """
+    steps = [max(1, s // _FINGERPRINT_POINTS) for s in x.shape[1:]]
+    sub = np.ascontiguousarray(x[(slice(None), *(slice(None, None, k) for k in steps))], dtype=np.float32)
+    digest = hashlib.blake2b(sub.tobytes(), digest_size=8)
+    digest.update(repr((x.shape, float(np.sum(x, dtype=np.float64)))).encode())
+    return f"{'x'.join(str(s) for s in x.shape)}-{digest.hexdigest()}"
 
 
 class Model:
@@ -58,10 +78,29 @@ class Model:
         self._lock = threading.Lock()
         self._run_lock = threading.Lock()
         self._probe: ReceptiveField | None = None
-        self._halos: dict[tuple[tuple[int, ...], float], HaloCalibration] = {}
+        self._halos: OrderedDict[tuple[tuple[int, ...], float, str], HaloCalibration] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"Model({self.spec.name!r}, backend={self.spec.backend!r}, device={self.predictor.device})"
+
+    @property
+    def known_receptive_field(self) -> tuple[int, ...] | None:
+        """The radius per axis when known (spec, analytic net or a probe already run), else ``None``.
+
+        Never probes: :meth:`receptive_field` does (once, cached), as :meth:`ModelRepository.warmup`.
+        """
+        if self.predictor.receptive_field is not None:
+            return tuple(int(r) for r in self.predictor.receptive_field)
+        with self._lock:
+            return None if self._probe is None else self._probe.radius
+
+    def info(self) -> dict[str, Any]:
+        """The ``/v1/models`` entry: :meth:`ModelSpec.info` with the measured receptive field."""
+        info = self.spec.info()
+        radius = self.known_receptive_field
+        if radius is not None:
+            info["receptive_field"] = list(radius)
+        return info
 
     def receptive_field(self) -> tuple[int, ...]:
         """Theoretical receptive-field radius per axis (voxels): from the spec, else probed once.
@@ -115,42 +154,59 @@ class Model:
     def calibrate(
         self, tile: Sequence[int], tolerance: float, sample: npt.NDArray[np.float32] | None = None
     ) -> HaloCalibration:
-        """Calibrated halo for ``tile`` and ``tolerance`` (cached; first sample wins).
+        """Calibrated halo for ``tile`` and ``tolerance`` on ``sample``.
+
+        Results are cached per tile, tolerance and sample: the sample (its central crop of about
+        ``tile + 2 * radius``, what calibration reads) is identified by :func:`sample_fingerprint`,
+        so a new image calibrates anew and the same image reuses its halo. The result's
+        ``sample`` names the sample it came from.
 
         Args:
             tile: tile shape per axis (voxels).
             tolerance: max abs truncation error accepted, after the output activation.
             sample: preprocessed ``(C_in, *spatial)`` data; default a synthetic sample.
         """
-        key = (tuple(int(t) for t in tile), float(tolerance))
+        tile_t = tuple(int(t) for t in tile)
+        radius = self.receptive_field()
+        max_halo = min(max(radius), min(tile_t) // 2 - 1)
+        if sample is not None:
+            sample = _central_crop(sample, [t + 2 * max_halo for t in tile_t], self.spec.alignment)
+            source = f"sample {sample_fingerprint(sample)}"
+        else:
+            source = "synthetic sample"
+        key = (tile_t, float(tolerance), source)
         with self._lock:
             cached = self._halos.get(key)
+            if cached is not None:
+                self._halos.move_to_end(key)
         if cached is not None:
+            logger.debug("model %s: cached halo %d (%s)", self.spec.name, cached.halo, source)
             return cached
-        radius = self.receptive_field()
         activation = make_reduce(self.spec.activation, "probabilities")
-        max_halo = min(max(radius), min(key[0]) // 2 - 1)
-        if sample is not None:
-            sample = _central_crop(sample, [t + 2 * max_halo for t in key[0]], self.spec.alignment)
         frozen = getattr(self.predictor, "frozen_context", None)
         with frozen(sample) if (frozen is not None and sample is not None) else contextlib.nullcontext():
             result = calibrate_halo(
                 self.predictor,
-                key[0],
+                tile_t,
                 tolerance=tolerance * self.CALIBRATION_SAFETY,
                 sample=sample,
                 max_halo=max_halo,
                 activation=activation,
                 n_tiles=2,
             )
+        result = dataclasses.replace(result, sample=source)
         with self._lock:
             self._halos[key] = result
+            while len(self._halos) > _HALO_CACHE_SIZE:
+                self._halos.popitem(last=False)
         logger.info(
-            "model %s: tile %s tolerance %g -> calibrated halo %d",
+            "model %s: tile %s tolerance %g -> calibrated halo %d (error %.3g, from %s)",
             self.spec.name,
-            key[0],
+            tile_t,
             tolerance,
             result.halo,
+            result.error,
+            source,
         )
         return result
 
@@ -241,7 +297,15 @@ class Model:
             target = target[None]
         try:
             if context is not None:
-                context(x, tile=resolved.tile, halo=halo, batch_size=resolved.batch_size)
+                # Pool means average feature maps whose reach is the whole receptive field: a
+                # halo calibrated for the output truncates them (2 % off in the neck's pools of
+                # text-det-2d with halo 188, 0.43 off in the output), so these passes use the
+                # radius itself (exact once tile > 2 * radius; else the largest halo allowed).
+                radius = self.receptive_field()
+                context_halo = tuple(
+                    max(h, min(r, t // 2 - 1)) for h, r, t in zip(halo, radius, resolved.tile, strict=False)
+                )
+                context(x, tile=resolved.tile, halo=context_halo, batch_size=resolved.batch_size)
             result = tiled_inference(
                 x,
                 self.predictor,
@@ -319,16 +383,32 @@ class ModelRepository:
         return sorted(self._specs)
 
     def specs(self) -> list[ModelSpec]:
-        """Registered specs, sorted by name."""
-        return [self._specs[n] for n in self.names()]
+        """Registered specs, sorted by name (with measured receptive fields, see :meth:`spec`)."""
+        return [self.spec(n) for n in self.names()]
 
     def spec(self, name: str) -> ModelSpec:
-        """The spec of ``name`` without loading the model (raises :class:`UnknownModelError`)."""
+        """The spec of ``name`` without loading the model (raises :class:`UnknownModelError`).
+
+        When the spec gives no ``receptive_field`` but the loaded model knows it (probed by
+        :meth:`warmup` or by a ``halo="auto"`` run), the copy returned carries the measured radius,
+        so ``spec(name).info()`` (``/v1/models``) reports it.
+        """
         if name not in self._specs:
             close = difflib.get_close_matches(name, self.names(), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise UnknownModelError(f"unknown model {name!r}{hint} (known: {', '.join(self.names())})")
-        return self._specs[name]
+        spec = self._specs[name]
+        with self._lock:
+            model = self._models.get(name)
+        if model is not None:
+            radius = model.known_receptive_field
+            if radius is not None and radius != spec.receptive_field:
+                return spec.with_receptive_field(radius)
+        return spec
+
+    def info(self, name: str) -> dict[str, Any]:
+        """The ``/v1/models`` entry of ``name`` (receptive field included once known)."""
+        return self.spec(name).info()
 
     def get(self, name: str) -> Model:
         """The loaded model ``name`` (loaded on first use, then cached).
@@ -337,7 +417,7 @@ class ModelRepository:
             UnknownModelError: not registered; the message suggests close matches.
             WeightsError, BackendError: the model cannot be loaded.
         """
-        spec = self.spec(name)
+        spec = self._specs[name] if name in self._specs else self.spec(name)
         with self._lock:
             model = self._models.get(name)
             if model is None:
@@ -345,8 +425,13 @@ class ModelRepository:
                 self._models[name] = model
         return model
 
-    def warmup(self, names: Sequence[str] | None = None) -> None:
-        """Load ``names`` (default all) and run one small forward pass each."""
+    def warmup(self, names: Sequence[str] | None = None, *, probe: bool = True) -> None:
+        """Load ``names`` (default all) and run one small forward pass each.
+
+        With ``probe`` (default), a model whose receptive field is unknown (no ``receptive_field``
+        in its spec, not analytic) is probed now, once: ``halo="auto"`` needs the radius, and
+        :meth:`spec` / ``/v1/models`` then report it (text-det-2d: about 5 s on two CPU cores).
+        """
         import torch
 
         for name in names if names is not None else self.names():
@@ -355,6 +440,12 @@ class ModelRepository:
             size = max(spec.alignment, 8)
             batch = torch.zeros((1, spec.in_channels, *([size] * spec.spatial_dims)))
             model.predictor(batch)
+            if probe and model.known_receptive_field is None:
+                start = time.perf_counter()
+                radius = model.receptive_field()
+                logger.info(
+                    "model %s: receptive field %s probed in %.1f s", name, radius, time.perf_counter() - start
+                )
             logger.info("model %s: warm (%s)", name, model.predictor.describe())
 
 

@@ -39,7 +39,14 @@ from typing import Any
 
 from models.errors import SpecError
 
-__all__ = ["ModelDefaults", "ModelSpec", "PreprocessStep", "load_spec", "spec_from_mapping"]
+__all__ = [
+    "ANALYTIC_PARAMS",
+    "ModelDefaults",
+    "ModelSpec",
+    "PreprocessStep",
+    "load_spec",
+    "spec_from_mapping",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,12 @@ STEP_PARAMS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "zscore": {},
     "percentile": {"lo": (int, float), "hi": (int, float)},
     "normalize": {"mean": (int, float, list), "std": (int, float, list)},
+}
+#: Parameters of ``backend: analytic`` models and their types (``sigma``, ``truncate`` in voxels).
+ANALYTIC_PARAMS: dict[str, type | tuple[type, ...]] = {
+    "kind": str,
+    "sigma": (int, float),
+    "truncate": (int, float),
 }
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
@@ -297,6 +310,10 @@ def spec_from_mapping(data: Any, *, source: Path | None = None, where: str | Non
     if sha is not None and not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise check.fail("sha256", "must be 64 lowercase hex digits")
     params = check.get(data, "params", Mapping, {})
+    if backend == "analytic":
+        check.unknown(params, tuple(ANALYTIC_PARAMS), prefix="params.")
+        for key, types in ANALYTIC_PARAMS.items():
+            check.get(params, key, types, None)
     output = check.get(data, "output", Mapping, {})
     check.unknown(output, _OUTPUT_KEYS, prefix="output.")
     out_kind = check.choice(output, "kind", OUTPUT_KINDS, "probabilities")

@@ -1,10 +1,12 @@
 """One inference executor per device: a worker thread fed by a bounded queue.
 
-The event loop never runs inference: a route submits a job and awaits it. When ``queue_size`` jobs
-are already waiting, :meth:`DeviceExecutor.submit` raises :class:`~service.errors.QueueFullError`
-at once (HTTP 503 with ``Retry-After``), so requests never pile up without bound. A job whose
-awaiting coroutine is cancelled before the job started (its client disconnected) is dropped
-from the queue and frees its slot immediately.
+The event loop never runs inference: a route submits a job and awaits it. A route first takes a
+slot with :meth:`DeviceExecutor.reserve` (before it reads the upload), then turns the slot into a
+job with :meth:`DeviceExecutor.submit_future`; when every slot is taken (``queue_size`` waiting
+plus the running one), :meth:`~DeviceExecutor.reserve` raises
+:class:`~service.errors.QueueFullError` at once (HTTP 503 with ``Retry-After``), so neither jobs
+nor uploads pile up without bound. A job whose awaiting coroutine is cancelled before the job
+started (its client disconnected) is dropped from the queue and frees its slot immediately.
 """
 
 from __future__ import annotations
@@ -17,13 +19,31 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from service.errors import QueueFullError
+from service.errors import NotReadyError, QueueFullError
 
-__all__ = ["DeviceExecutor"]
+__all__ = ["DeviceExecutor", "Slot"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class Slot:
+    """A place in a :class:`DeviceExecutor`'s queue, held while a request uploads its input.
+
+    :meth:`DeviceExecutor.submit_future` consumes it; :meth:`release` gives it back unused (a
+    no-op once consumed or released), so a ``finally: slot.release()`` never leaks a place.
+    """
+
+    __slots__ = ("_executor", "held")
+
+    def __init__(self, executor: DeviceExecutor) -> None:
+        self._executor = executor
+        self.held = True
+
+    def release(self) -> None:
+        """Give the place back unless a job took it (idempotent)."""
+        self._executor._release(self)
 
 
 class DeviceExecutor:
@@ -33,7 +53,8 @@ class DeviceExecutor:
         device: the device this executor owns (for the thread name and logs).
         queue_size: jobs allowed to wait while one runs (``0``: only the running one).
         retry_after_s: the ``Retry-After`` hint carried by :class:`QueueFullError`.
-        on_depth: called with the number of queued plus running jobs whenever it changes.
+        on_depth: called with the number of held slots plus queued and running jobs whenever it
+            changes.
         after_job: called on the worker thread after each job (e.g. to release free memory).
     """
 
@@ -53,6 +74,7 @@ class DeviceExecutor:
         self._after_job = after_job
         self._jobs: deque[tuple[concurrent.futures.Future[Any], Callable[[], Any]]] = deque()
         self._running = 0
+        self._reserved = 0
         self._closed = False
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._work, name=f"tilewise-infer-{device}", daemon=True)
@@ -60,14 +82,44 @@ class DeviceExecutor:
 
     @property
     def depth(self) -> int:
-        """Jobs waiting plus the job running."""
+        """Held slots plus jobs waiting plus the job running."""
         with self._lock:
-            return len(self._jobs) + self._running
+            return self._load()
+
+    def _load(self) -> int:
+        return self._reserved + len(self._jobs) + self._running
+
+    def _full(self) -> bool:
+        # The running job holds no queue slot: an idle worker takes a job at once.
+        return self._load() >= self.queue_size + 1
 
     def has_room(self) -> bool:
-        """Whether a job submitted now would be accepted (a hint: it may change at once)."""
+        """Whether a slot taken now would be granted (a hint: it may change at once)."""
         with self._lock:
-            return not self._closed and len(self._jobs) < self.queue_size + (1 - self._running)
+            return not self._closed and not self._full()
+
+    def reserve(self) -> Slot:
+        """Take a slot for a job to be submitted later (e.g. once its upload is on disk).
+
+        Raises:
+            QueueFullError: every slot is held or taken.
+            NotReadyError: the executor is shut down.
+        """
+        with self._lock:
+            if self._closed:
+                raise NotReadyError("the inference executor is shut down")
+            if self._full():
+                raise self.full_error()
+            self._reserved += 1
+            self._notify()
+        return Slot(self)
+
+    def _release(self, slot: Slot) -> None:
+        with self._lock:
+            if slot.held:
+                slot.held = False
+                self._reserved -= 1
+                self._notify()
 
     def full_error(self) -> QueueFullError:
         """The error for a full queue (with this executor's ``Retry-After`` hint)."""
@@ -79,22 +131,29 @@ class DeviceExecutor:
 
     def _notify(self) -> None:
         if self._on_depth is not None:
-            self._on_depth(len(self._jobs) + self._running)
+            self._on_depth(self._load())
 
-    def submit_future(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Queue ``fn``; returns a future. Cancelling it before it starts frees the slot.
+    def submit_future(self, fn: Callable[[], T], *, slot: Slot | None = None) -> concurrent.futures.Future[T]:
+        """Queue ``fn`` in ``slot`` (from :meth:`reserve`), or in a free slot when ``slot`` is
+        ``None``; returns a future. Cancelling it before it starts frees the slot.
 
         Raises:
-            QueueFullError: ``queue_size`` jobs are already waiting.
-            RuntimeError: the executor is shut down.
+            QueueFullError: no slot is given and every slot is taken.
+            RuntimeError: the executor is shut down, or ``slot`` was already used or released,
+                or belongs to another executor.
         """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the inference executor is shut down")
-            # The running job holds no queue slot: an idle worker takes a job at once.
-            if len(self._jobs) >= self.queue_size + (1 - self._running):
-                raise self.full_error()
+            if slot is None:
+                if self._full():
+                    raise self.full_error()
+            elif slot._executor is not self or not slot.held:
+                raise RuntimeError("the slot was already used or released, or is not this executor's")
+            else:
+                slot.held = False
+                self._reserved -= 1
             self._jobs.append((future, fn))
             self._notify()
             self._lock.notify()

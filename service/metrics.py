@@ -47,7 +47,8 @@ class Metrics:
         )
         self.queue_depth = Gauge(
             "tilewise_queue_depth",
-            "Inference jobs waiting or running on the device executor.",
+            "Queue slots in use on the device executor: uploads holding a slot, jobs waiting, "
+            "the job running.",
             registry=self.registry,
         )
         self.bytes_in = Counter("tilewise_bytes_in", "Request body bytes received.", registry=self.registry)

@@ -11,13 +11,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from service._options import BLENDS, FORMATS, OUTPUTS
 from service.errors import BadParameterError
 
 __all__ = ["BLENDS", "FORMATS", "OUTPUTS", "InferenceParams", "parse_params"]
 
-BLENDS = ("constant", "gaussian", "hann", "triangular")
-OUTPUTS = ("probabilities", "labels")
-FORMATS = ("nii.gz", "nii", "png", "tiff", "npy")
 _NAMES = ("tile", "halo", "halo_tolerance", "overlap", "blend", "batch_size", "output", "format")
 
 

@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from service.errors import NotReadyError
+from service.executor import Slot
 from service.http_errors import classify
 from service.metrics import CONTENT_TYPE_LATEST
 from service.params import BLENDS, FORMATS, OUTPUTS, parse_params
@@ -203,21 +204,23 @@ async def infer(
     started = time.perf_counter()
     label, status = "unknown", 500
     workdir: Path | None = None
+    slot: Slot | None = None
     try:
         if not getattr(state, "ready", False):
             raise NotReadyError("models are not loaded (starting or shutting down)")
         label = state.repository.spec(name).name  # 404 before reading the body
         params = parse_params(dict(request.query_params))
         executor = state.executor
-        if not executor.has_room():  # refuse before reading the body; re-checked on submit
-            raise executor.full_error()
+        # Hold a queue slot before reading the body: a full queue answers 503 with nothing read,
+        # so concurrent uploads are bounded by the queue too, not only the jobs.
+        slot = executor.reserve()
         workdir = Path(await anyio.to_thread.run_sync(_mkdtemp, settings.tmp_dir))
         source, n_bytes = await receive_upload(
             request, workdir / "input", max_bytes=settings.max_upload_bytes
         )
         state.metrics.bytes_in.inc(n_bytes)
         work = functools.partial(_job, label, source, workdir / "output", params, state, current_request_id())
-        future = executor.submit_future(work)
+        future = executor.submit_future(work, slot=slot)
         result = await _await_job(future, request)
         if result is None:
             logger.info("request %s: client disconnected; job %s", current_request_id(), _fate(future))
@@ -252,6 +255,8 @@ async def infer(
         status = classify(exc).status
         raise
     finally:
+        if slot is not None:
+            slot.release()  # a no-op once the job took the slot
         if workdir is not None:
             await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, workdir, ignore_errors=True))
         state.metrics.requests.labels(label, str(status)).inc()

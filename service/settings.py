@@ -1,28 +1,35 @@
 """Service settings, read from ``TILEWISE_*`` environment variables (and a ``.env`` file).
 
-=============================  ==========================================================
-Variable                       Meaning
-=============================  ==========================================================
-``TILEWISE_MODELS_DIR``        model repository folder (default: ``models.DEFAULT_MODELS_DIR``)
-``TILEWISE_DEVICE``            ``cpu``, ``cuda``, ``cuda:1`` ... (default: CUDA when available)
-``TILEWISE_MAX_UPLOAD_BYTES``  largest accepted upload in bytes (413 beyond)
-``TILEWISE_MAX_VOXELS``        largest accepted image, voxels or pixels times slices (413 beyond)
-``TILEWISE_MAX_IMAGE_PIXELS``  Pillow's decompression-bomb limit for 2D images (413 beyond)
-``TILEWISE_QUEUE_SIZE``        requests allowed to wait for the device (503 beyond)
-``TILEWISE_API_KEY``           when set, ``/v1/*`` requires ``Authorization: Bearer <key>``
-``TILEWISE_RETRY_AFTER_S``     the ``Retry-After`` value sent with 503
-``TILEWISE_TMP_DIR``           folder for upload / result temporary files (default: system)
-``TILEWISE_WARMUP``            run every model once on a tiny input at start-up
-=============================  ==========================================================
+================================  ===========================================================================
+Variable                          Meaning
+================================  ===========================================================================
+``TILEWISE_MODELS_DIR``           model repository folder (default: ``models.DEFAULT_MODELS_DIR``)
+``TILEWISE_DEVICE``               ``cpu``, ``cuda``, ``cuda:1`` ... (default: CUDA when available)
+``TILEWISE_MAX_UPLOAD_BYTES``     largest accepted upload in bytes (413 beyond)
+``TILEWISE_MAX_VOXELS``           largest accepted image, voxels or pixels times slices (413 beyond)
+``TILEWISE_MAX_IMAGE_PIXELS``     Pillow's decompression-bomb limit for 2D images (413 beyond)
+``TILEWISE_QUEUE_SIZE``           requests allowed to wait for the device, uploading or uploaded (503 beyond)
+``TILEWISE_API_KEY``              when set, ``/v1/*`` requires ``Authorization: Bearer <key>``
+``TILEWISE_RETRY_AFTER_S``        the ``Retry-After`` value sent with 503
+``TILEWISE_TMP_DIR``              folder for upload / result temporary files (default: system)
+``TILEWISE_WARMUP``               run every model once on a tiny input at start-up
+``TILEWISE_GRACEFUL_SHUTDOWN_S``  on SIGTERM, seconds running requests get to finish (default 120)
+================================  ===========================================================================
+
+``tilewise serve`` has an option for each (``--api-key``, ``--queue-size`` ...); an option wins
+over its variable.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service._options import blank_to_none
 
 __all__ = ["Settings", "get_settings"]
 
@@ -34,7 +41,7 @@ class Settings(BaseSettings):
         env_prefix="TILEWISE_",
         env_file=".env",
         # From .env only TILEWISE_* keys count (a compose file's other keys are ignored), and a
-        # misspelt TILEWISE_* key fails at start-up (extra="forbid").
+        # misspelt TILEWISE_* key fails at start-up (extra="forbid"). Needs pydantic-settings>=2.14.
         dotenv_filtering="match_prefix",
         frozen=True,
         extra="forbid",
@@ -48,18 +55,11 @@ class Settings(BaseSettings):
     # Pillow's own default is 89.5 Mpx; scanned documents and slides of 20000 x 20000 px are real.
     max_image_pixels: int = Field(default=500_000_000, ge=1)
     queue_size: int = Field(default=8, ge=0)
-    api_key: SecretStr | None = None
+    api_key: Annotated[SecretStr | None, BeforeValidator(blank_to_none)] = None  # empty: no key
     retry_after_s: int = Field(default=2, ge=0)
     tmp_dir: Path | None = None
     warmup: bool = True
-
-    @field_validator("api_key", mode="before")
-    @classmethod
-    def _empty_key_is_none(cls, value: object) -> object:
-        """An empty ``TILEWISE_API_KEY=`` means no key, not the empty key."""
-        if isinstance(value, str) and not value:
-            return None
-        return value
+    graceful_shutdown_s: int = Field(default=120, ge=0)
 
     @field_validator("device", mode="before")
     @classmethod

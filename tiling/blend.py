@@ -19,18 +19,24 @@ GAUSSIAN_SIGMA_SCALE = 1.0 / 8.0
 
 
 def blend_window(
-    length: int, mode: BlendMode, *, flat_lo: bool = False, flat_hi: bool = False
+    length: int,
+    mode: BlendMode,
+    *,
+    flat_lo: bool = False,
+    flat_hi: bool = False,
+    sigma: float | None = None,
 ) -> npt.NDArray[np.float32]:
     """Return a 1-D blend window of ``length`` strictly positive float32 weights, peak 1.
 
     Args:
         length: window length in voxels (> 0).
         mode: the window shape. ``hann`` and ``triangular`` are computed two samples longer and
-            trimmed (as torchio does), so their ends are > 0; ``gaussian`` uses
-            ``sigma = length / 8`` (nnU-Net) and is floored at 1e-6.
+            trimmed (as torchio does), so their ends are > 0; ``gaussian`` is floored at 1e-6.
         flat_lo: set the half below the peak to 1 (the side that lies on the image border, where
             no other tile contributes).
         flat_hi: set the half above the peak to 1.
+        sigma: standard deviation of the ``gaussian`` window (voxels); default ``length / 8``.
+            The engine passes ``tile / 8``, relative to the tile size as nnU-Net's importance map.
 
     Returns:
         ``(length,)`` float32 array with ``0 < w <= 1``.
@@ -42,8 +48,8 @@ def blend_window(
         w = np.ones(length, dtype=np.float64)
     elif mode is BlendMode.GAUSSIAN:
         x = np.arange(length, dtype=np.float64) - (length - 1) / 2.0
-        sigma = max(length * GAUSSIAN_SIGMA_SCALE, 1e-3)
-        w = np.exp(-0.5 * (x / sigma) ** 2)
+        std = max(length * GAUSSIAN_SIGMA_SCALE if sigma is None else sigma, 1e-3)
+        w = np.exp(-0.5 * (x / std) ** 2)
     elif mode is BlendMode.HANN:
         w = np.hanning(length + 2)[1:-1]
     else:  # BlendMode.TRIANGULAR

@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tiling.accumulate import SlabAccumulator
-from tiling.errors import ShapeMismatchError
+from tiling.errors import GridError, ShapeMismatchError
 from tiling.geometry import PaddingMode, parse_enum
 from tiling.grid import Tile, TileGrid
 from tiling.io import read_region
@@ -86,7 +86,7 @@ def tiled_inference(
     """
     pad_mode = PaddingMode(parse_enum(PaddingMode, padding_mode, "padding_mode"))
     if isinstance(batch_size, bool) or int(batch_size) < 1:
-        raise ShapeMismatchError(f"batch_size={batch_size} must be >= 1")
+        raise GridError(f"batch_size={batch_size} must be >= 1")
     is_torch = isinstance(inputs, torch.Tensor)
     shape = tuple(int(s) for s in inputs.shape)
     lead = 2 if is_torch else 1

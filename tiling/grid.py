@@ -22,7 +22,7 @@ from fractions import Fraction
 import numpy as np
 import numpy.typing as npt
 
-from tiling.blend import blend_window
+from tiling.blend import GAUSSIAN_SIGMA_SCALE, blend_window
 from tiling.errors import CoverageError, GridError
 from tiling.geometry import BlendMode, BorderMode, as_fractions, as_ints, parse_enum
 
@@ -291,8 +291,16 @@ def _plan_axis(
         crops.append((lo - t_out, hi - t_out))
         writes.append((lo - out_lo, hi - out_lo))
         if not partition:
-            window = blend_window(c_hi_out - c_lo_out, blend, flat_lo=i == 0, flat_hi=i == n - 1)
-            w = window[lo - c_lo_out : hi - c_lo_out]
+            # The window spans the nominal core [t + halo, t + T - halo); a core extended to the
+            # image border gets weight 1 there (no other tile covers it). Gaussian sigma = tile / 8.
+            nom_lo = t_out + _scaled(halo, scale, "halo", axis)
+            nom_hi = t_out + out_tile - (nom_lo - t_out)
+            window = blend_window(nom_hi - nom_lo, blend, flat_lo=i == 0, flat_hi=i == n - 1,
+                                  sigma=out_tile * GAUSSIAN_SIGMA_SCALE)  # fmt: skip
+            full = np.concatenate([
+                np.ones(nom_lo - c_lo_out, np.float32), window, np.ones(c_hi_out - nom_hi, np.float32)
+            ])  # fmt: skip
+            w = full[lo - c_lo_out : hi - c_lo_out]
             weights.append(w)
             coverage[lo - out_lo : hi - out_lo] += w
     if partition:

@@ -5,9 +5,10 @@ interpreter), so ``tilewise batch`` starts fast on a machine that only talks to 
 
 Modules: :mod:`~service.client.settings` (flags and ``TILEWISE_*`` fallbacks),
 :mod:`~service.client.api` (retrying httpx client), :mod:`~service.client.retry` (backoff),
-:mod:`~service.client.sniff` (formats by magic bytes), :mod:`~service.client.plan` (walk and output
-names), :mod:`~service.client.runner` (the run), :mod:`~service.client.progress` (bar or log lines),
-:mod:`~service.client.report` (``tilewise-report.json``), :mod:`~service.client.errors`.
+:mod:`~service.client.plan` (walk and output names; formats by magic bytes with
+:mod:`service.sniff`, shared with the server), :mod:`~service.client.runner` (the run),
+:mod:`~service.client.progress` (bar or log lines), :mod:`~service.client.report`
+(``tilewise-report.json``), :mod:`~service.client.errors`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from service.client.plan import Candidate, discover, output_format, output_relpa
 from service.client.report import REPORT_NAME, FileResult, Status
 from service.client.runner import BatchOptions, BatchOutcome, run_batch
 from service.client.settings import ClientSettings
-from service.client.sniff import sniff_file
+from service.sniff import sniff_file
 
 __all__ = [
     "REPORT_NAME",

@@ -1,6 +1,6 @@
 """Which files a batch run sends, and where each output goes (no network, no image decoding).
 
-A file is sent when its content is a format the server reads (:mod:`service.client.sniff`) or its
+A file is sent when its content is a format the server reads (:mod:`service.sniff`) or its
 name claims one (``.nii``, ``.nii.gz``, ``.png``, ``.jpg``, ``.jpeg``, ``.tif``, ``.tiff``), so a
 corrupt scan is reported with the server's error instead of vanishing silently. ``--pattern``
 globs narrow the walk first. Names starting with ``.`` (temporary outputs, ``.git``) are never
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from service.client.sniff import sniff_file
+from service._options import FORMAT_SUFFIXES
+from service.sniff import sniff_file
 
 __all__ = [
     "FORMAT_SUFFIXES",
@@ -35,15 +36,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Output formats the server writes, with their file suffixes (DESIGN "Interfaces in detail").
-FORMAT_SUFFIXES: dict[str, str] = {
-    "nii.gz": ".nii.gz",
-    "nii": ".nii",
-    "png": ".png",
-    "tiff": ".tiff",
-    "npy": ".npy",
-}
 
 #: Input suffixes (lower case, longest first) and the kind of file each claims to be.
 _INPUT_SUFFIXES = (

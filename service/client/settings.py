@@ -18,8 +18,12 @@ It never imports :mod:`service.settings`, so it needs neither FastAPI nor torch.
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service._options import blank_to_none
 
 __all__ = ["ClientSettings"]
 
@@ -43,7 +47,7 @@ class ClientSettings(BaseSettings):
     )
 
     url: str
-    api_key: SecretStr | None = None
+    api_key: Annotated[SecretStr | None, BeforeValidator(blank_to_none)] = None  # empty: no key
     timeout_s: float = Field(default=300.0, gt=0)
     retries: int = Field(default=5, ge=0)
     concurrency: int = Field(default=2, ge=1)
@@ -57,11 +61,3 @@ class ClientSettings(BaseSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"url={value!r} must start with http:// or https://")
         return value.rstrip("/")
-
-    @field_validator("api_key", mode="before")
-    @classmethod
-    def _empty_key_is_none(cls, value: object) -> object:
-        """An empty ``TILEWISE_API_KEY=`` means no key."""
-        if isinstance(value, str) and not value:
-            return None
-        return value

@@ -1,6 +1,6 @@
 """Input decoding and output encoding, shared by the server and ``tilewise infer``.
 
-Formats are detected by content (:mod:`service.codecs.sniff`), never by file name:
+Formats are detected by content (:mod:`service.sniff`), never by file name:
 NIfTI-1 / NIfTI-2 (``.nii``, ``.nii.gz``), PNG, JPEG and TIFF. Outputs are written as ``nii.gz``,
 ``nii``, ``png``, ``tiff`` or ``npy``, keeping the input's grid (and NIfTI geometry).
 
@@ -17,12 +17,12 @@ import numpy as np
 
 from service.codecs.images import configure_pillow, decode_image, encode_npy, encode_png, encode_tiff
 from service.codecs.nifti import decode_nifti, encode_nifti
-from service.codecs.sniff import FORMATS, Sniffed, sniff
 from service.codecs.volume import OUTPUT_FORMATS, DecodedVolume
 from service.errors import BadParameterError, EmptyBodyError, UnsupportedMediaTypeError
+from service.sniff import KINDS, Sniffed, sniff
 
 __all__ = [
-    "FORMATS",
+    "KINDS",
     "OUTPUT_FORMATS",
     "DecodedVolume",
     "Sniffed",

@@ -17,9 +17,9 @@ import numpy as np
 import tifffile
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from service.codecs.sniff import Sniffed
 from service.codecs.volume import DecodedVolume
 from service.errors import BadParameterError, DecodeError, PayloadTooLargeError, UnusableInputError
+from service.sniff import Sniffed
 
 __all__ = ["configure_pillow", "decode_image", "encode_npy", "encode_png", "encode_tiff"]
 

@@ -19,9 +19,9 @@ import nibabel as nib
 import numpy as np
 from nibabel.filebasedimages import ImageFileError
 
-from service.codecs.sniff import Sniffed
 from service.codecs.volume import DecodedVolume
 from service.errors import DecodeError, PayloadTooLargeError, UnusableInputError
+from service.sniff import Sniffed
 
 __all__ = ["decode_nifti", "encode_nifti"]
 

@@ -7,16 +7,12 @@ from typing import Any
 
 import numpy as np
 
+from service._options import FORMAT_SUFFIXES
+
 __all__ = ["OUTPUT_FORMATS", "DecodedVolume"]
 
 #: Every output format :func:`service.codecs.encode` writes, with its file suffix.
-OUTPUT_FORMATS: dict[str, str] = {
-    "nii.gz": ".nii.gz",
-    "nii": ".nii",
-    "png": ".png",
-    "tiff": ".tiff",
-    "npy": ".npy",
-}
+OUTPUT_FORMATS: dict[str, str] = FORMAT_SUFFIXES
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,11 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from service._options import BLENDS, FORMATS, OUTPUTS, argparse_number
+
 logger = logging.getLogger(__name__)
 
-_BLENDS = ("constant", "gaussian", "hann", "triangular")
-_OUTPUTS = ("probabilities", "labels")
-_FORMATS = ("nii.gz", "nii", "png", "tiff", "npy")
+_positive_int = argparse_number(int, 1)
+_non_negative_int = argparse_number(int, 0)
+_positive_float = argparse_number(float, 0.0, strict=True)
 
 
 def _int_tuple(text: str) -> str:
@@ -35,36 +37,6 @@ def _int_tuple(text: str) -> str:
 def _halo(text: str) -> str:
     """``auto`` or :func:`_int_tuple`."""
     return "auto" if text.strip().lower() == "auto" else _int_tuple(text)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
 
 
 def register(sub: Any) -> None:
@@ -119,10 +91,10 @@ def register(sub: Any) -> None:
     inf.add_argument("--halo", type=_halo, help="halo, voxels, or 'auto'")
     inf.add_argument("--halo-tolerance", type=_positive_float, help="error accepted by halo=auto")
     inf.add_argument("--overlap", type=_int_tuple, help="voxels shared by neighbouring cores")
-    inf.add_argument("--blend", choices=_BLENDS, help="blend window")
+    inf.add_argument("--blend", choices=BLENDS, help="blend window")
     inf.add_argument("--batch-size", type=_positive_int, help="tiles per forward pass")
-    inf.add_argument("--output", choices=_OUTPUTS, help="probabilities or labels")
-    inf.add_argument("--format", choices=_FORMATS, help="output format (default follows the input)")
+    inf.add_argument("--output", choices=OUTPUTS, help="probabilities or labels")
+    inf.add_argument("--format", choices=FORMATS, help="output format (default follows the input)")
     parser.set_defaults(run=_run)
 
 

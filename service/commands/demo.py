@@ -50,26 +50,37 @@ def mni152_path() -> Path:
 def _run(args: argparse.Namespace) -> int:
     import nibabel as nib
     import numpy as np
-    from scipy import ndimage
 
     from service.cli import main
 
-    src = mni152_path()
+    try:
+        from scipy import ndimage
+
+        src = mni152_path()
+    except (ImportError, FileNotFoundError) as exc:
+        logger.error("demo: %s; install the dev extra: pip install 'tilewise[dev]'", exc)
+        return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     dst = args.out_dir / "mni152_t1_gaussian.nii.gz"
     status = main(["infer", str(src), str(dst), "--model", "gaussian-3d", "--tile", args.tile])
     if status:
         return status
-    img_in, img_out = nib.load(src), nib.load(dst)
+    img_in: Any = nib.load(src)
+    img_out: Any = nib.load(dst)
     x = np.asarray(img_in.dataobj, dtype=np.float32)
     y = np.asarray(img_out.dataobj, dtype=np.float32)
     y = y[..., 0] if y.ndim == 4 else y
     ref = ndimage.gaussian_filter(x, 2.0, truncate=4.0, mode="constant")
     err = float(np.abs(y - ref).max())
     tol = 1e-4 * max(float(np.abs(x).max()), 1.0)  # DESIGN.md: tolerances scale with max |x|
-    same_geometry = y.shape == x.shape and np.array_equal(img_in.affine, img_out.affine)
+    same_geometry = (
+        y.shape == x.shape
+        and np.array_equal(img_in.affine, img_out.affine)
+        and img_in.header.get_qform(coded=True)[1] == img_out.header.get_qform(coded=True)[1]
+        and img_in.header.get_sform(coded=True)[1] == img_out.header.get_sform(coded=True)[1]
+    )
     logger.info(
-        "demo: %s -> %s shape=%s affine_equal=%s max_abs_diff_vs_scipy=%.3g (tolerance %.3g)",
+        "demo: %s -> %s shape=%s geometry_equal=%s max_abs_diff_vs_scipy=%.3g (tolerance %.3g)",
         src.name, dst, y.shape, same_geometry, err, tol,
     )  # fmt: skip
     return 0 if same_geometry and err <= tol else 1

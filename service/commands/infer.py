@@ -16,16 +16,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from service._options import BLENDS, FORMAT_SUFFIXES, FORMATS, OUTPUTS
+
 logger = logging.getLogger(__name__)
 
-_SUFFIX_FORMATS = (
-    (".nii.gz", "nii.gz"),
-    (".nii", "nii"),
-    (".png", "png"),
-    (".tiff", "tiff"),
-    (".tif", "tiff"),
-    (".npy", "npy"),
-)
+#: Output suffixes and their formats (``.tif`` too); no suffix ends another, so order is free.
+_SUFFIX_FORMATS = (*((suffix, fmt) for fmt, suffix in FORMAT_SUFFIXES.items()), (".tif", "tiff"))
 
 
 def register(sub: Any) -> None:
@@ -43,10 +39,10 @@ def register(sub: Any) -> None:
     parser.add_argument("--halo", help="discarded margin per side in voxels, per axis, or 'auto'")
     parser.add_argument("--halo-tolerance", help="max truncation error accepted by --halo auto")
     parser.add_argument("--overlap", help="voxels shared by neighbouring tile cores")
-    parser.add_argument("--blend", help="constant, gaussian, hann or triangular")
+    parser.add_argument("--blend", help=f"blend window: {', '.join(BLENDS)}")
     parser.add_argument("--batch-size", help="tiles per forward pass")
-    parser.add_argument("--output", dest="output_kind", help="probabilities or labels")
-    parser.add_argument("--format", help="nii.gz, nii, png, tiff or npy (default: from OUTPUT's suffix)")
+    parser.add_argument("--output", dest="output_kind", help=f"output kind: {' or '.join(OUTPUTS)}")
+    parser.add_argument("--format", help=f"{', '.join(FORMATS)} (default: from OUTPUT's suffix)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: TILEWISE_DEVICE or auto)")
     parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar over tiles")
@@ -61,7 +57,7 @@ def format_from_suffix(path: Path) -> str | None:
 
 def _run(args: argparse.Namespace) -> int:
     from models import ModelError, ModelRepository
-    from service.codecs import OUTPUT_FORMATS, configure_pillow
+    from service.codecs import configure_pillow
     from service.errors import ServiceError
     from service.params import parse_params
     from service.pipeline import run_file
@@ -96,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         logger.error("infer failed: %s", exc)
         return 1
     finally:
-        for suffix in OUTPUT_FORMATS.values():  # a failed write leaves no partial output behind
+        for suffix in FORMAT_SUFFIXES.values():  # a failed write leaves no partial output behind
             stem.with_name(stem.name + suffix).unlink(missing_ok=True)
     logger.info(
         "wrote %s (%s, %s %s, shape %s) in %.2f s",

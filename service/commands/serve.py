@@ -1,16 +1,39 @@
 """``tilewise serve``: the HTTP service on uvicorn.
 
-Options override the ``TILEWISE_*`` environment variables (see :mod:`service.settings`).
+Every setting is an option here and a ``TILEWISE_*`` environment variable (see
+:mod:`service.settings`); an option wins over its variable. Give the API key through
+``TILEWISE_API_KEY`` rather than ``--api-key``: a command line is visible to every user of the
+machine (``ps``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from service._options import argparse_number
+
 logger = logging.getLogger(__name__)
+
+_count = argparse_number(int, 0)
+_positive = argparse_number(int, 1)
+
+#: ``(option, Settings field, argparse type, help)``; the variable is ``TILEWISE_<FIELD>``.
+_SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
+    ("--models", "models_dir", Path, "model folder (default: ~/.cache/tilewise/models)"),
+    ("--device", "device", str, "cpu, cuda, cuda:N or mps (default: CUDA when available)"),
+    ("--queue-size", "queue_size", _count, "requests allowed to wait for the device (default: 8)"),
+    ("--max-upload-bytes", "max_upload_bytes", _positive, "largest upload, bytes (default: 2 GiB)"),
+    ("--max-voxels", "max_voxels", _positive, "largest image, voxels (default: 2**30)"),
+    ("--max-image-pixels", "max_image_pixels", _positive, "decompression-bomb limit of 2D images"),
+    ("--api-key", "api_key", str, "key required on /v1 (Bearer); better the variable: ps shows argv"),
+    ("--retry-after", "retry_after_s", _count, "Retry-After seconds sent with 503 (default: 2)"),
+    ("--tmp-dir", "tmp_dir", Path, "folder of temporary upload/result files (default: the system's)"),
+    ("--graceful-shutdown", "graceful_shutdown_s", _count, "on SIGTERM, seconds to finish requests (120)"),
+)
 
 
 def register(sub: Any) -> None:
@@ -23,38 +46,49 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (TILEWISE_DEVICE; default: auto)")
+    for option, field, kind, text in _SETTINGS:
+        env = f"TILEWISE_{field.upper()}"
+        parser.add_argument(
+            option, dest=field, type=kind, default=None, metavar=env[9:], help=f"{text}; {env}"
+        )
     parser.add_argument(
-        "--queue-size", type=int, default=None, help="requests waiting per device (TILEWISE_QUEUE_SIZE)"
+        "--no-warmup",
+        dest="warmup",
+        action="store_const",
+        const=False,
+        default=None,
+        help="skip the warm-up run of each model at start-up; TILEWISE_WARMUP=false",
     )
-    parser.add_argument(
-        "--max-upload-bytes", type=int, default=None, help="largest upload (TILEWISE_MAX_UPLOAD_BYTES)"
-    )
-    parser.add_argument("--max-voxels", type=int, default=None, help="largest image (TILEWISE_MAX_VOXELS)")
     parser.set_defaults(run=_run)
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~service.settings.Settings` of ``args``: options over ``TILEWISE_*`` variables."""
+    from service.settings import Settings
+
+    fields = [field for _, field, _, _ in _SETTINGS] + ["warmup"]
+    given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
+    return Settings(**given)
 
 
 def _run(args: argparse.Namespace) -> int:
     import uvicorn
+    from pydantic import ValidationError
 
     from service.app import create_app
-    from service.settings import Settings
 
-    overrides = {
-        "models_dir": args.models,
-        "device": args.device,
-        "queue_size": args.queue_size,
-        "max_upload_bytes": args.max_upload_bytes,
-        "max_voxels": args.max_voxels,
-    }
-    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        for err in exc.errors():
+            logger.error("%s: %s", ".".join(str(p) for p in err["loc"]), err["msg"])
+        return 2
     logger.info("starting tilewise on http://%s:%d", args.host, args.port)
     uvicorn.run(
         create_app(settings),
         host=args.host,
         port=args.port,
         log_config=None,  # service.log configured the root logger already
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=settings.graceful_shutdown_s,
     )
     return 0

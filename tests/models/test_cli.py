@@ -11,10 +11,8 @@ from service.cli import main
 
 
 def test_setup_models_with_wheel(
-    tmp_path: Path, wheel_path: Path | None, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, wheel_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if wheel_path is None:
-        pytest.skip("no local rapidocr wheel (the session fixture downloads one instead)")
     assert main(["setup-models", "--models", str(tmp_path), "--wheel", str(wheel_path)]) == 0
     assert (tmp_path / TEXT_DET_FILE).is_file() and (tmp_path / "text-det-2d.yaml").is_file()
     assert "text-det-2d ready" in capsys.readouterr().out
@@ -28,11 +26,7 @@ def test_setup_models_bad_wheel_fails(tmp_path: Path) -> None:
     assert main(["setup-models", "--models", str(tmp_path / "m"), "--wheel", str(bad)]) == 1
 
 
-def test_setup_models_env_folder(
-    tmp_path: Path, wheel_path: Path | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if wheel_path is None:
-        pytest.skip("no local rapidocr wheel")
+def test_setup_models_env_folder(tmp_path: Path, wheel_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TILEWISE_MODELS_DIR", str(tmp_path))
     assert main(["setup-models", "--wheel", str(wheel_path)]) == 0
     assert (tmp_path / TEXT_DET_FILE).is_file()

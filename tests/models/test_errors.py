@@ -127,3 +127,27 @@ def test_error_tree() -> None:
         obj = getattr(models, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, ModelError)
+
+
+def test_analytic_param_typo_is_refused_at_load(tmp_path: Path) -> None:
+    _write_spec(tmp_path, backend="analytic", architecture="gaussian", out_channels=1, params={"sgima": 3.0})
+    with pytest.raises(SpecError, match=r"m\.yaml \(model 'm'\).*'params\.sgima' is unknown"):
+        ModelRepository(tmp_path)
+
+
+def test_analytic_param_of_wrong_type(tmp_path: Path) -> None:
+    _write_spec(tmp_path, backend="analytic", architecture="gaussian", out_channels=1, params={"sigma": "2"})
+    with pytest.raises(SpecError, match="'sigma' must be int or float"):
+        ModelRepository(tmp_path)
+
+
+def test_analytic_param_typo_in_a_spec_built_in_code() -> None:
+    """A ModelSpec made without spec_from_mapping still meets the backend's own check."""
+    import dataclasses
+
+    from models.backends import load_predictor
+
+    spec = ModelRepository("/nonexistent-tilewise-models").spec("gaussian-2d")
+    bad = dataclasses.replace(spec, params={"sigma": 2.0, "sgima": 3.0})
+    with pytest.raises(SpecError, match=r"gaussian-2d.*'params\.sgima' is unknown"):
+        load_predictor(bad, "cpu")

@@ -75,3 +75,26 @@ def test_run_fills_out(rng: np.random.Generator) -> None:
     out = np.zeros((1, 50, 60), dtype=np.float32)
     assert model.run(x, InferenceOptions(tile=32), out=out) is out
     np.testing.assert_allclose(out, model.run(x), atol=1e-6)
+
+
+def test_float_unit_range_is_min_max_outside_unit_interval() -> None:
+    """A float TIFF/NIfTI (here 0..4095 and -1000..3000) is min-max scaled over the whole image."""
+    x = np.array([[[0.0, 1024.0, 4095.0]]], dtype=np.float32)
+    np.testing.assert_allclose(preprocess(x, _spec(["unit_range"]))[0, 0], [0.0, 1024 / 4095, 1.0], rtol=1e-6)
+    ct = np.array([[[-1000.0, 1000.0, 3000.0]]], dtype=np.float64)
+    np.testing.assert_allclose(preprocess(ct, _spec(["unit_range"]))[0, 0], [0.0, 0.5, 1.0])
+
+
+def test_float_unit_range_keeps_unit_data_and_ignores_non_finite() -> None:
+    x = np.array([[[0.0, 0.25, 1.0]]], dtype=np.float32)
+    np.testing.assert_array_equal(preprocess(x, _spec(["unit_range"]))[0, 0], x[0, 0])
+    y = np.array([[[np.nan, 2.0, 6.0]]], dtype=np.float32)
+    got = preprocess(y, _spec(["unit_range"]))[0, 0]
+    assert np.isnan(got[0]) and got[1:].tolist() == [0.0, 1.0]
+    flat = np.full((1, 2, 2), 7.0, dtype=np.float32)
+    assert np.all(preprocess(flat, _spec(["unit_range"])) == 0.0)
+
+
+def test_uint8_unit_range_is_by_dtype_not_min_max() -> None:
+    x = np.array([[[10, 20]]], dtype=np.uint8)  # a dark image stays dark
+    np.testing.assert_allclose(preprocess(x, _spec(["unit_range"]))[0, 0], [10 / 255, 20 / 255])

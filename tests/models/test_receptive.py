@@ -118,3 +118,49 @@ def test_text_det_radius_is_finite(text_det) -> None:
     logger.info("text-det-2d receptive field radius %s", radius)
     assert len(radius) == 2 and all(100 <= r < 512 for r in radius)
     assert text_det._probe is not None and text_det._probe.bounded
+
+
+def test_calibration_is_cached_per_sample_not_first_sample_wins(caplog: pytest.LogCaptureFixture) -> None:
+    """A flat image needs no halo; a textured one does: the first one's halo must not stick."""
+    import numpy as np
+
+    from models import ModelRepository
+
+    model = ModelRepository("/nonexistent-tilewise-models").get("gaussian-2d")
+    flat = np.zeros((1, 96, 96), dtype=np.float32)
+    textured = np.random.default_rng(0).random((1, 96, 96), dtype=np.float32)
+    with caplog.at_level(logging.INFO, logger="models.repository"):
+        first = model.calibrate((32, 32), 1e-4, flat)
+        second = model.calibrate((32, 32), 1e-4, textured)
+    assert first.halo == 0 and second.halo > 0
+    assert first.sample != second.sample and second.sample.startswith("sample 1x")
+    assert second.sample in caplog.text  # the log names the sample the halo came from
+    assert model.calibrate((32, 32), 1e-4, textured.copy()) is second  # same data: cached
+    assert model.calibrate((32, 32), 1e-4).sample == "synthetic sample"
+
+
+def test_measured_receptive_field_reaches_the_models_listing(tmp_path) -> None:
+    """A spec without receptive_field: warm-up probes it and spec().info() (/v1/models) reports it."""
+    import yaml
+
+    from models import ModelRepository
+    from models.export import export_torchscript
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv2d(2, 1, 5, padding=2))  # radius 3
+    export_torchscript(net.eval(), tmp_path / "stack.pt", in_channels=1, export_shape=(32, 32))
+    spec = {
+        "name": "stack",
+        "backend": "torchscript",
+        "file": "stack.pt",
+        "spatial_dims": 2,
+        "in_channels": 1,
+        "out_channels": 1,
+    }
+    (tmp_path / "stack.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    repo = ModelRepository(tmp_path, device="cpu")
+    assert repo.spec("stack").info()["receptive_field"] is None  # not measured yet
+    repo.warmup(["stack"])
+    assert repo.spec("stack").info()["receptive_field"] == [3, 3]
+    assert [s.info()["receptive_field"] for s in repo.specs() if s.name == "stack"] == [[3, 3]]
+    assert repo.info("stack") == repo.get("stack").info()
+    assert repo.spec("gaussian-2d").info()["receptive_field"] == [8, 8]

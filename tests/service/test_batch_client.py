@@ -32,7 +32,7 @@ from service.client.plan import glob_to_regex
 from service.client.progress import make_progress
 from service.client.retry import backoff_delay, parse_retry_after
 from service.client.runner import remove_stale_parts
-from service.client.sniff import sniff_head
+from service.sniff import sniff_bytes
 
 MODELS = [
     {"name": "gaussian-3d", "spatial_dims": 3, "defaults": {"output": "probabilities", "format": None}},
@@ -206,7 +206,8 @@ class FakeServer:
         if step == "ok":
             body = self.infer_bodies[-1]
             head = gzip.decompress(body)[:544] if body.startswith(b"\x1f\x8b") else body
-            fmt = self.fmt or ("nii.gz" if sniff_head(head) == "nifti" else "png")
+            sniffed = sniff_bytes(head)
+            fmt = self.fmt or ("nii.gz" if sniffed is not None and sniffed.kind == "nifti" else "png")
             return httpx.Response(200, content=b"OUT:" + body[:16], headers={"X-Tilewise-Format": fmt})
         return step
 

@@ -14,7 +14,6 @@ import tifffile
 from PIL import Image
 
 from service.codecs import DecodedVolume, decode, default_format, encode, sniff
-from service.codecs.sniff import sniff_bytes
 from service.errors import (
     BadParameterError,
     DecodeError,
@@ -23,6 +22,7 @@ from service.errors import (
     UnsupportedMediaTypeError,
     UnusableInputError,
 )
+from service.sniff import sniff_bytes
 
 
 def _write(path: Path, data: bytes) -> Path:

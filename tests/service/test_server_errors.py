@@ -286,3 +286,45 @@ def test_client_that_disconnects_frees_its_queue_slot(server: Server, anatomical
     assert result == [200]
     assert _metric(server.url, 'tilewise_requests_total{model="gaussian-3d",status="499"}') == gone_before + 1
     assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_full_queue_refuses_an_upload_before_reading_it(
+    tmp_path: Path, models_dir: Path, anatomical_path: Path
+) -> None:
+    """Uploads hold a queue slot from their first byte: with every slot held by uploads still in
+    progress, one more upload gets 503 + Retry-After and none of its body is read or written."""
+    server = start_server(
+        tmp_path, models_dir=str(models_dir), queue_size="1", retry_after_s="5", warmup="false"
+    )
+    port = int(server.url.rsplit(":", 1)[1])
+    depth = "tilewise_queue_depth "
+    try:
+        head = "POST /v1/models/gaussian-3d/infer HTTP/1.1\r\nHost: test\r\nContent-Length: {}\r\n\r\n"
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
+        try:
+            for sock in slow:  # queue_size=1: one slot to run, one to wait; both held, bodies unfinished
+                sock.sendall(head.format(2**22).encode() + b"\0" * 65536)
+            assert _wait_for(lambda: _metric(server.url, depth) == 2)  # the held slots count
+            assert _wait_for(lambda: len(list(tmp_path.glob("tilewise-*"))) == 2)
+            bytes_in = _metric(server.url, "tilewise_bytes_in_total")
+            body = np.random.default_rng(0).bytes(65536)
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(head.format(len(body)).encode() + body)
+                reply = _read_response(sock)
+            assert reply.startswith("HTTP/1.1 503"), reply[:300]
+            assert "\r\nretry-after: 5\r\n" in reply.lower()
+            assert '"error":"queue_full"' in reply
+            assert _metric(server.url, "tilewise_bytes_in_total") == bytes_in  # nothing was read
+            assert len(list(tmp_path.glob("tilewise-*"))) == 2  # nor written
+        finally:
+            for sock in slow:
+                sock.close()
+        # The clients went away mid-upload: their slots are free again.
+        assert _wait_for(lambda: _metric(server.url, depth) == 0)
+        response = httpx.post(
+            f"{server.url}/v1/models/gaussian-3d/infer", content=anatomical_path.read_bytes()
+        )
+        assert response.status_code == 200, response.text
+        _assert_no_temporary_files(tmp_path)
+    finally:
+        stop_server(server)

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 import service.errors as service_errors
-from service.errors import BadParameterError, QueueFullError, ServiceError
+from service.errors import BadParameterError, NotReadyError, QueueFullError, ServiceError
 from service.executor import DeviceExecutor
 from service.params import InferenceParams, parse_params
 
@@ -62,6 +62,40 @@ def test_parse_params_errors(raw: dict[str, str], fragment: str) -> None:
         parse_params(raw)
 
 
+def test_option_lists_match_the_engine_and_the_model_specs() -> None:
+    """service._options is stdlib-only (the client may not import torch), so it spells the blend
+    names out; they must stay the values of tiling.BlendMode, and agree with models.spec."""
+    import models.spec
+    from service._options import BLENDS, FORMAT_SUFFIXES, FORMATS, OUTPUTS
+    from tiling import BlendMode
+
+    assert list(BLENDS) == [mode.value for mode in BlendMode]
+    assert FORMATS == tuple(FORMAT_SUFFIXES)
+    assert all(suffix == "." + fmt for fmt, suffix in FORMAT_SUFFIXES.items())
+    for name, ours in (("BLENDS", BLENDS), ("FORMATS", FORMATS), ("OUTPUT_KINDS", OUTPUTS)):
+        theirs = getattr(models.spec, name, None)  # models may derive or rename its lists
+        if theirs is not None:
+            assert sorted(theirs) == sorted(ours), name
+
+
+def test_argparse_number() -> None:
+    import argparse
+
+    from service._options import argparse_number
+
+    count, seconds = argparse_number(int, 0), argparse_number(float, 0.0, strict=True)
+    assert count("3") == 3 and seconds("0.5") == 0.5
+    for parse, text, message in (
+        (count, "-1", "-1 must be >= 0"),
+        (count, "1.5", "'1.5' is not an integer"),
+        (seconds, "0", "0.0 must be > 0.0"),
+        (seconds, "nan", "nan must be > 0.0"),
+        (seconds, "x", "'x' is not a number"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(text)
+
+
 # -- settings -------------------------------------------------------------------------------------
 
 
@@ -86,6 +120,31 @@ def test_settings_validation(monkeypatch: pytest.MonkeyPatch, make_settings) -> 
     for bad in ({"device": "tpu"}, {"queue_size": -1}, {"max_upload_bytes": 0}, {"max_voxel": 5}):
         with pytest.raises(ValidationError):
             make_settings(**bad)
+
+
+def test_serve_has_an_option_for_every_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from service.commands import serve
+    from service.settings import Settings
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    serve.register(sub)
+    parser = sub.choices["serve"]
+    assert set(Settings.model_fields) <= {action.dest for action in parser._actions}
+    assert Settings().graceful_shutdown_s == 120
+    monkeypatch.setenv("TILEWISE_QUEUE_SIZE", "5")
+    monkeypatch.setenv("TILEWISE_API_KEY", "from-the-environment")
+    options = "--api-key k3y --graceful-shutdown 7 --max-voxels 10 --no-warmup --tmp-dir /t"
+    args = parser.parse_args(options.split())
+    settings = serve.settings_from_args(args)
+    assert settings.api_key is not None and settings.api_key.get_secret_value() == "k3y"  # option wins
+    assert settings.graceful_shutdown_s == 7 and settings.max_voxels == 10 and settings.warmup is False
+    assert str(settings.tmp_dir) == "/t" and settings.queue_size == 5  # the variable where no option
+    monkeypatch.setenv("TILEWISE_GRACEFUL_SHUTDOWN_S", "30")
+    assert serve.settings_from_args(parser.parse_args([])).graceful_shutdown_s == 30
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--queue-size", "-1"])
 
 
 def test_dotenv_counts_only_tilewise_keys_and_refuses_typos(tmp_path) -> None:
@@ -199,6 +258,34 @@ def test_cancelled_waiting_job_frees_its_slot() -> None:
         assert running.result(10) is True and again.result(10) == "ran"
     finally:
         executor.shutdown()
+
+
+def test_reserved_slots_bound_the_queue_until_used_or_released() -> None:
+    depths: list[int] = []
+    executor = DeviceExecutor("cpu", 1, retry_after_s=4, on_depth=depths.append)
+    try:
+        first, second = executor.reserve(), executor.reserve()  # one to run, one to wait
+        assert executor.depth == 2 and not executor.has_room()
+        with pytest.raises(QueueFullError) as info:
+            executor.reserve()
+        assert info.value.retry_after_s == 4
+        with pytest.raises(QueueFullError):
+            executor.submit_future(lambda: 0)  # a job without a slot needs a free one too
+        second.release()
+        second.release()  # idempotent
+        assert executor.depth == 1 and executor.has_room()
+        assert executor.submit_future(lambda: 42, slot=first).result(10) == 42
+        first.release()  # consumed by the job: a no-op
+        with pytest.raises(RuntimeError):
+            executor.submit_future(lambda: 0, slot=first)  # a slot serves one job
+        deadline = time.monotonic() + 5
+        while executor.depth and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert executor.depth == 0 and depths[:3] == [1, 2, 1] and depths[-1] == 0
+    finally:
+        executor.shutdown()
+    with pytest.raises(NotReadyError):
+        executor.reserve()
 
 
 def test_executor_run_is_awaitable_and_propagates_errors() -> None:

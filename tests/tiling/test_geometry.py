@@ -269,5 +269,5 @@ def test_out_with_wrong_channels(image):
 
 @pytest.mark.parametrize("batch_size", [pytest.param(0, id="zero"), pytest.param(-1, id="negative")])
 def test_non_positive_batch_size(image, batch_size):
-    with _raises(ShapeMismatchError, f"batch_size={batch_size}", ">= 1"):
+    with _raises(GridError, f"batch_size={batch_size}", ">= 1"):
         tiled_inference(image, identity, 16, batch_size=batch_size)
