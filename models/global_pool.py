@@ -267,10 +267,11 @@ class GlobalPoolingPredictor(OrtPredictor):
         self.context = feeds
         self.set_extra_feeds(feeds)
         logger.info(
-            "model %s: whole-image pool means from %d tiles x %d stages in %.2f s",
+            "model %s: whole-image pool means from %s in %.2f s",
             self.name,
-            len(tiles),
-            len(self._stage_sessions),
+            "one whole-image pass"
+            if len(tiles) == 1
+            else f"{len(tiles)} tiles x {len(self._stage_sessions)} stages",
             time.perf_counter() - start,
         )
         return feeds

@@ -71,6 +71,9 @@ class Model:
     #: The calibrated halo must meet ``tolerance * CALIBRATION_SAFETY`` on the sample tiles: the
     #: sample covers a few tile placements, a whole image has seams everywhere.
     CALIBRATION_SAFETY = 0.25
+    #: Global-pooling models: images of at most this many tiles' voxels get their pool means from
+    #: one whole-image pass (exact and fastest; memory up to this many tiles' worth).
+    CONTEXT_WHOLE_FACTOR = 4
 
     def __init__(self, spec: ModelSpec, predictor: BasePredictor) -> None:
         self.spec = spec
@@ -279,6 +282,28 @@ class Model:
             return out
         return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
 
+    def _prepare_context(
+        self, context: Any, x: npt.NDArray[np.float32], resolved: ResolvedOptions, halo: tuple[int, ...]
+    ) -> None:
+        """Whole-image pool means for a global-pooling model, before the tiled pass.
+
+        Pool means average feature maps whose reach is the whole receptive field: a halo
+        calibrated for the output truncates them (text-det-2d, halo 188: the neck's pool means
+        2 % off, the output 0.43 off). So an image of at most :attr:`CONTEXT_WHOLE_FACTOR` tiles'
+        voxels gets one whole-image pass (exact), and a larger one tile-by-tile passes with the
+        radius as halo (exact once tile > 2 * radius; else the largest halo the tile allows).
+        """
+        align = self.spec.alignment
+        voxels = int(np.prod([-(-s // align) * align for s in x.shape[1:]]))
+        if voxels <= self.CONTEXT_WHOLE_FACTOR * int(np.prod(resolved.tile)):
+            context(x, tile=None, halo=None)
+            return
+        radius = self.receptive_field()
+        context_halo = tuple(
+            max(h, min(r, t // 2 - 1)) for h, r, t in zip(halo, radius, resolved.tile, strict=False)
+        )
+        context(x, tile=resolved.tile, halo=context_halo, batch_size=resolved.batch_size)
+
     def _run(
         self,
         x: npt.NDArray[np.float32],
@@ -297,15 +322,7 @@ class Model:
             target = target[None]
         try:
             if context is not None:
-                # Pool means average feature maps whose reach is the whole receptive field: a
-                # halo calibrated for the output truncates them (2 % off in the neck's pools of
-                # text-det-2d with halo 188, 0.43 off in the output), so these passes use the
-                # radius itself (exact once tile > 2 * radius; else the largest halo allowed).
-                radius = self.receptive_field()
-                context_halo = tuple(
-                    max(h, min(r, t // 2 - 1)) for h, r, t in zip(halo, radius, resolved.tile, strict=False)
-                )
-                context(x, tile=resolved.tile, halo=context_halo, batch_size=resolved.batch_size)
+                self._prepare_context(context, x, resolved, halo)
             result = tiled_inference(
                 x,
                 self.predictor,

@@ -138,3 +138,26 @@ def test_setup_downloads_the_wheel_without_dependencies(
     assert len(calls) == 1 and calls[0][1:4] == ["-m", "pip", "download"]
     assert "--no-deps" in calls[0] and calls[0][-1] == "rapidocr-onnxruntime==1.4.4"
     assert sha256_file(tmp_path / TEXT_DET_FILE) == TEXT_DET_SHA256
+
+
+def test_tiled_pool_means_with_radius_halo_are_exact(text_det) -> None:
+    """Images larger than Model.CONTEXT_WHOLE_FACTOR tiles get their pool means tile by tile with
+    the receptive-field radius as halo: the means equal the whole-image ones."""
+    image = page_image()[:, :256, :1600]
+    x = preprocess(image, text_det.spec)
+    predictor = text_det.predictor
+    radius = text_det.receptive_field()
+    whole = {k: v.copy() for k, v in predictor.prepare_context(x, tile=None, halo=None).items()}
+    try:
+        tiled = predictor.prepare_context(x, tile=(256, 1024), halo=(0, min(radius[1], 511)))
+    finally:
+        predictor.clear_context()
+    # relative to each pool's scale (|mean| up to ~50): float32 rounding differs between tile
+    # shapes (~1e-5); a halo that truncates is far off (halo 188 on the radiograph: ~2e-2)
+    worst = max(float(np.abs(whole[k] - tiled[k]).max() / np.abs(whole[k]).max()) for k in whole)
+    logger.info(
+        "text-det-2d pool means, 256x1600 in tiles of 256x1024, halo %d: max relative diff %.3g",
+        radius[1],
+        worst,
+    )
+    assert worst <= 1e-4
