@@ -57,7 +57,7 @@ def register(sub: Any) -> None:
     conn.add_argument(
         "--retries",
         type=_non_negative_int,
-        help="retries per file after a connection error, timeout or 502/503/504, with exponential "
+        help="retries per file after a connection error, timeout or 429/502/503/504, with exponential "
         "backoff and jitter, honouring Retry-After (default: 5)",
     )
     conn.add_argument(

@@ -41,6 +41,7 @@ def test_readme_curl_examples(server: Server, text_det_onnx: Path, mni152_path: 
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
+    tmp_path = tmp_path / "tilewise-demo"  # the README's commands run in this scratch folder
     out, ref = nib.load(tmp_path / "mni152_gaussian.nii.gz"), nib.load(mni152_path)
     assert out.shape == ref.shape and np.array_equal(out.affine, ref.affine)
     with Image.open(tmp_path / "page.png") as page:
