@@ -228,7 +228,8 @@ class Model:
         grow = [(0, 0)] + [(0, max(0, t - s)) for s, t in zip(x.shape[1:], tile, strict=True)]
         sample = np.pad(x, grow) if any(g[1] for g in grow) else x
         calibrated = self.calibrate(tile, tolerance, sample).halo
-        return tuple(min(calibrated, r, t // 2 - 1) for r, t in zip(radius, tile, strict=False))
+        # The halo must leave a stride of at least one alignment step: tile - 2 * halo >= align.
+        return tuple(min(calibrated, r, max(0, (t - align) // 2)) for r, t in zip(radius, tile, strict=False))
 
     def run(
         self,
