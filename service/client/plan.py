@@ -1,8 +1,10 @@
 """Which files a batch run sends, and where each output goes (no network, no image decoding).
 
-A file is sent when its content is a format the server reads (:mod:`service.sniff`) or its
-name claims one (``.nii``, ``.nii.gz``, ``.png``, ``.jpg``, ``.jpeg``, ``.tif``, ``.tiff``), so a
-corrupt scan is reported with the server's error instead of vanishing silently. ``--pattern``
+A file is sent when its content is a format the server reads (:mod:`service.sniff`) or, when its
+content is unknown, its name claims one (``.nii``, ``.nii.gz``, ``.png``, ``.jpg``, ``.jpeg``,
+``.tif``, ``.tiff``), so a corrupt scan is reported with the server's error instead of vanishing
+silently. DICOM (``DICM`` at byte 128, whatever the name) is never sent: it is listed as skipped
+with what to do instead. ``--pattern``
 globs narrow the walk first. Names starting with ``.`` (temporary outputs, ``.git``) are never
 walked, nor is OUTPUT_DIR when it lies inside INPUT_DIR.
 
@@ -24,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from service._options import FORMAT_SUFFIXES
-from service.sniff import sniff_file
+from service.sniff import KINDS, sniff_file
 
 __all__ = [
     "FORMAT_SUFFIXES",
@@ -57,7 +59,8 @@ class Candidate:
         path: the file on disk.
         rel: its path relative to INPUT_DIR (POSIX separators).
         size_bytes: file size.
-        kind: what its content is (``nifti``, ``png``, ``jpeg``, ``tiff``), else ``None``.
+        kind: what its content is (``nifti``, ``png``, ``jpeg``, ``tiff``, or ``dicom`` which the
+            server does not read), else ``None``.
         claimed_kind: what its name says it is, else ``None``.
     """
 
@@ -70,7 +73,9 @@ class Candidate:
     @property
     def sendable(self) -> bool:
         """Whether the server should see this file (by content, or by name when content is unknown)."""
-        return self.kind is not None or self.claimed_kind is not None
+        if self.kind is not None:
+            return self.kind in KINDS
+        return self.claimed_kind is not None
 
     @property
     def effective_kind(self) -> str | None:

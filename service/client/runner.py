@@ -26,6 +26,7 @@ from service.client.errors import ClientError, TransportFailure
 from service.client.plan import FORMAT_SUFFIXES, Candidate, discover, output_format, output_relpath
 from service.client.progress import LogProgress, Progress
 from service.client.report import FileResult, Status, write_report
+from service.sniff import DICOM_ADVICE
 
 __all__ = ["BatchOptions", "BatchOutcome", "run_batch"]
 
@@ -213,9 +214,12 @@ def _plan(
     for cand in candidates:
         rel = str(cand.rel)
         if not cand.sendable:
-            known.append(
-                FileResult(rel, None, Status.SKIPPED, error="not a format the server reads (content)")
+            reason = (
+                f"DICOM: {DICOM_ADVICE}"
+                if cand.kind == "dicom"
+                else "not a format the server reads (content)"
             )
+            known.append(FileResult(rel, None, Status.SKIPPED, error=reason))
             continue
         fmt = output_format(
             cand.effective_kind,
