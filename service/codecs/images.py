@@ -24,19 +24,27 @@ Labels are written as palette PNGs (mode ``P``): the pixel values stay the label
 from __future__ import annotations
 
 import colorsys
+import contextlib
 import logging
 import math
 import struct
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tifffile
-from PIL import Image, ImageOps, JpegImagePlugin, PngImagePlugin, TiffImagePlugin, UnidentifiedImageError
+from PIL import Image, ImageOps, JpegImagePlugin, PngImagePlugin, TiffImagePlugin
 
 from service.codecs.volume import DecodedVolume, Probe
-from service.errors import BadParameterError, DecodeError, PayloadTooLargeError, UnusableInputError
+from service.errors import (
+    BadParameterError,
+    DecodeError,
+    PayloadTooLargeError,
+    ServiceError,
+    UnusableInputError,
+)
 from service.sniff import Sniffed
 
 __all__ = [
@@ -58,8 +66,24 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: PNG colour type: (channels after decoding, samples per pixel in the file)
 _PNG_COLOUR_TYPES = {0: (1, 1), 2: (3, 3), 3: (3, 1), 4: (1, 2), 6: (3, 4)}
 _PNG_BIT_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
-_TIFF_ERRORS = (tifffile.TiffFileError, OSError, ValueError, KeyError, IndexError, struct.error)
 _EXIF_ORIENTATION = 0x0112
+
+
+@contextlib.contextmanager
+def _malformed(kind: str) -> Iterator[None]:
+    """Translate whatever a foreign decoder raises on a malformed file into :class:`DecodeError`.
+
+    Pillow, tifffile and libpng raise a wide range of types on crafted input (``ZeroDivisionError``,
+    ``AssertionError``, ``TypeError`` ...): on untrusted bytes each is a fault of the file, a 422,
+    never a 500. Our own errors and ``MemoryError`` pass through.
+    """
+    try:
+        yield
+    except (ServiceError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        logger.info("%s decoder failed", kind, exc_info=True)
+        raise DecodeError(f"corrupt or truncated {kind} file: {type(exc).__name__}: {exc}") from exc
 
 
 def _label_palette() -> list[tuple[int, int, int]]:
@@ -137,10 +161,9 @@ def _open_lazily(path: Path, kind: str) -> Image.Image:
     Raises:
         DecodeError: not a readable image of this kind.
     """
-    try:
-        return _PLUGINS[kind](str(path))  # type: ignore[no-any-return]
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, struct.error, EOFError) as exc:
-        raise DecodeError(f"corrupt or truncated {kind.upper()} file: {exc}") from exc
+    with _malformed(kind.upper()):
+        image: Image.Image = _PLUGINS[kind](str(path))
+    return image
 
 
 def _pillow_channels(mode: str) -> int:
@@ -148,7 +171,7 @@ def _pillow_channels(mode: str) -> int:
 
 
 def _probe_pillow(path: Path, kind: str, png: tuple[int, int, int, int] | None) -> Probe:
-    with _open_lazily(path, kind) as img:
+    with _open_lazily(path, kind) as img, _malformed(kind.upper()):
         width, height = img.size
         mode, bands = img.mode, len(img.getbands())
         orientation = _orientation(img)
@@ -203,14 +226,11 @@ def _tiff_layout(axes: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], in
 
 
 def _probe_tiff(path: Path) -> Probe:
-    try:
-        with tifffile.TiffFile(path) as tif:
-            series = tif.series[0]
-            axes, shape = series.axes, tuple(int(n) for n in series.shape)
-            dtype = np.dtype(series.dtype)
-            single_page = len(tif.pages) == 1
-    except _TIFF_ERRORS as exc:
-        raise DecodeError(f"corrupt or truncated TIFF file: {exc}") from exc
+    with _malformed("TIFF"), tifffile.TiffFile(path) as tif:
+        series = tif.series[0]
+        axes, shape = series.axes, tuple(int(n) for n in series.shape)
+        dtype = np.dtype(series.dtype)
+        single_page = len(tif.pages) == 1
     spatial, channels, _, _ = _tiff_layout(axes, shape)
     nbytes = math.prod(shape) * dtype.itemsize
     info = {"reader": "tifffile", "axes": axes, "shape": shape}
@@ -275,7 +295,9 @@ def _decode_with_pillow(path: Path, sniffed: Sniffed) -> DecodedVolume | None:
             data = _pillow_array(upright)
     except _BOMB as exc:
         raise PayloadTooLargeError(f"image exceeds the decompression-bomb limit: {exc}") from exc
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, struct.error) as exc:
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure on untrusted bytes is the file's (see _malformed)
         if sniffed.kind == "tiff":
             logger.info("Pillow cannot read this TIFF (%s); trying tifffile", exc)
             return None
@@ -306,10 +328,8 @@ def _decode_png16(path: Path, probe: Probe) -> DecodedVolume:
     """A 16-bit PNG with colour or alpha, every bit kept (libpng through imagecodecs)."""
     import imagecodecs
 
-    try:
+    with _malformed("PNG"):
         array = imagecodecs.png_decode(path.read_bytes())
-    except (imagecodecs.PngError, ValueError, RuntimeError) as exc:
-        raise DecodeError(f"corrupt or truncated PNG file: {exc}") from exc
     if array.ndim == 3:
         array = array[..., :1] if array.shape[-1] == 2 else array[..., :3]  # drop alpha
     else:
@@ -326,15 +346,13 @@ def _decode_png16(path: Path, probe: Probe) -> DecodedVolume:
 
 def _decode_with_tifffile(path: Path) -> DecodedVolume:
     """Decode a TIFF with tifffile: every sample format, multi-channel, page stacks."""
-    try:
+    with _malformed("TIFF"):
         with tifffile.TiffFile(path) as tif:
             series = tif.series[0]
             axes, shape = series.axes, tuple(int(n) for n in series.shape)
             array = series.asarray()
-    except _TIFF_ERRORS as exc:
-        raise DecodeError(f"corrupt or truncated TIFF file: {exc}") from exc
-    _, _, keep, channel = _tiff_layout(axes, shape)
-    array = array.reshape([shape[i] for i in keep])
+        _, _, keep, channel = _tiff_layout(axes, shape)
+        array = array.reshape([shape[i] for i in keep])
     array = np.moveaxis(array, channel, 0) if channel is not None else array[None]
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))

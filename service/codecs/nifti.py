@@ -265,9 +265,10 @@ def decode_nifti(
     if not data.dtype.isnative:
         data = data.astype(data.dtype.newbyteorder("="))
     slope, inter = _slope_inter(header)
-    data = nib.volumeutils.apply_read_scaling(data, slope, inter)
-    if data.dtype.kind == "f" and data.dtype != np.float32:
-        data = data.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values become inf, not a warning
+        data = nib.volumeutils.apply_read_scaling(data, slope, inter)
+        if data.dtype.kind == "f" and data.dtype != np.float32:
+            data = data.astype(np.float32)
     spatial, channels = probe.spatial_shape, probe.channels
     data = data.reshape(*spatial, channels, order="F")
     if channels == 1:
