@@ -153,15 +153,19 @@ class Probe:
                 f"the limit is max_bytes={max_bytes}"
             )
 
-    def check_model(self, spatial_dims: int, model: str | None = None) -> None:
+    def check_model(
+        self, spatial_dims: int, model: str | None = None, in_channels: int | None = None
+    ) -> None:
         """Refuse an input whose dimensionality the model cannot take (DESIGN "Interfaces in detail").
 
         A 2D model takes pictures, 2D NIfTI and one-slice NIfTI volumes ``(X, Y, 1)``; a 3D model
-        takes volumes (one-slice ones included) and refuses every 2D array.
+        takes volumes (one-slice ones included) and refuses every 2D array. A NIfTI with several
+        volumes ``(X, Y, Z, T)`` needs a model of ``T`` input channels.
 
         Args:
             spatial_dims: the model's spatial axes (its spec's ``spatial_dims``).
             model: the model's name, for the message.
+            in_channels: the model's input channels; checked for multi-volume NIfTI when given.
 
         Raises:
             UnusableInputError: the 422 the pipeline would give after decoding, given from the header.
@@ -181,4 +185,14 @@ class Probe:
         if spatial_dims not in (2, 3):
             raise UnusableInputError(
                 f"{model} has {spatial_dims} spatial axes; the input has {self.spatial_dims}"
+            )
+        if (
+            self.kind == "nifti"
+            and self.channels > 1
+            and in_channels is not None
+            and self.channels != in_channels
+        ):
+            raise UnusableInputError(
+                f"NIfTI with {self.channels} volumes (shape {self.info.get('shape')}); {model} takes "
+                f"{in_channels} channel(s)"
             )

@@ -409,6 +409,10 @@ def test_probe_refuses_the_wrong_dimensionality_from_the_header(tmp_path: Path) 
     volume.check_model(3, "gaussian-3d")
     one_slice.check_model(2, "gaussian-2d")  # (X, Y, 1): an image for 2D models
     one_slice.check_model(3, "gaussian-3d")  # and a one-slice volume for 3D ones
+    series = probe(_save_nifti(tmp_path / "4d.nii", (7, 9, 4, 3)))
+    series.check_model(3, "three-channel-3d", in_channels=3)
+    with pytest.raises(UnusableInputError, match="3 volumes"):
+        series.check_model(3, "gaussian-3d", in_channels=1)
 
 
 # -- samples decoded exactly -----------------------------------------------------------------------
