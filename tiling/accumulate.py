@@ -83,7 +83,7 @@ class SlabAccumulator:
         if weight is None:
             self._buf[local] += values
         else:
-            self._buf[local] += values * weight
+            self._buf[local].addcmul_(values, weight)  # in place: no tile-sized temporary
 
     def release(self, until: int) -> tuple[int, torch.Tensor]:
         """Normalize and hand back rows ``[lo, until)``; returns ``(lo, (C, rows, ...))``.

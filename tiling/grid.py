@@ -1,4 +1,4 @@
-"""Tile planning: pure integer arithmetic over shapes, no data.
+"""Tile planning: pure integer arithmetic over shapes, no data and no weights.
 
 Coordinates. Each spatial axis of length ``L`` is planned on a *virtual extent* ``E``: the image,
 plus ``halo`` voxels on both sides when ``border="pad"``, rounded up to a multiple of the alignment.
@@ -9,6 +9,9 @@ last tile is shifted back to end at the extent edge, so no tail is ever dropped 
 ``(L - k) // s + 1`` window count, which drops it). The *region of interest* (roi) is where the real
 image lies; outputs are written only there. Output coordinates are input coordinates times the
 per-axis ``scale``.
+
+Blend windows and coverage (floating point) live in :mod:`tiling.blend`; this module only says, per
+tile, which voxels are written and over which span the window lies.
 """
 
 from __future__ import annotations
@@ -19,19 +22,17 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-import numpy as np
-import numpy.typing as npt
-
-from tiling.blend import GAUSSIAN_SIGMA_SCALE, blend_window
 from tiling.errors import CoverageError, GridError
 from tiling.geometry import BlendMode, BorderMode, as_fractions, as_ints, parse_enum
 
 __all__ = ["AxisPlan", "Tile", "TileGrid"]
 
+Span = tuple[int, int]
+
 
 @dataclass(frozen=True, eq=False)
 class AxisPlan:
-    """The plan of one spatial axis.
+    """The plan of one spatial axis (integers only).
 
     Attributes:
         length: image length ``L`` along this axis (voxels).
@@ -44,8 +45,11 @@ class AxisPlan:
         out_tile: ``T * scale``, the length of one predictor output along this axis.
         crops: per tile, ``(lo, hi)`` of the predictor output that is written (output voxels).
         writes: per tile, ``(lo, hi)`` in the output array (output voxels).
-        weights: per tile, the blend weights of the written part (``None``: all ones).
-        coverage: ``(out_length,)`` float32 sum of weights per output voxel (``None``: all ones).
+        windows: per tile, ``(lo, hi)`` in output-array coordinates (may reach beyond the roi) over
+            which the blend window lies; written voxels outside it get weight 1.
+        flat: per tile, whether the window is flat (weight 1) on its low and high side, because
+            that side lies on the extent edge where no other tile contributes.
+        blended: whether neighbouring writes overlap (``False``: the writes partition the output).
     """
 
     length: int
@@ -56,10 +60,11 @@ class AxisPlan:
     starts: tuple[int, ...]
     out_length: int
     out_tile: int
-    crops: tuple[tuple[int, int], ...]
-    writes: tuple[tuple[int, int], ...]
-    weights: tuple[npt.NDArray[np.float32], ...] | None
-    coverage: npt.NDArray[np.float32] | None
+    crops: tuple[Span, ...]
+    writes: tuple[Span, ...]
+    windows: tuple[Span, ...]
+    flat: tuple[tuple[bool, bool], ...]
+    blended: bool
 
     @property
     def n_tiles(self) -> int:
@@ -151,7 +156,7 @@ class TileGrid:
         blend_mode = BlendMode(parse_enum(BlendMode, blend, "blend"))
         axes = tuple(
             _plan_axis(axis, shape[axis], tiles[axis], halos[axis], overlaps[axis], aligns[axis],
-                       scales[axis], border_mode, blend_mode)
+                       scales[axis], border_mode)
             for axis in range(ndim)
         )  # fmt: skip
         return cls(shape, tiles, halos, overlaps, aligns, scales, border_mode, blend_mode, axes)
@@ -194,7 +199,7 @@ class TileGrid:
     @property
     def blended(self) -> bool:
         """Whether cores overlap on some axis, so an accumulator and coverage are needed."""
-        return any(a.weights is not None for a in self.axes)
+        return any(a.blended for a in self.axes)
 
     def tiles(self) -> Iterator[Tile]:
         """Yield every tile in C order (axis 0 slowest), deterministically."""
@@ -225,6 +230,43 @@ def _scaled(value: int, scale: Fraction, what: str, axis: int) -> int:
     return int(out)
 
 
+def _place_tiles(
+    axis: int, extent: int, tile: int, halo: int, overlap: int, alignment: int
+) -> tuple[int, int, list[int]]:
+    """Return ``(used tile, stride, starts)`` for one axis (virtual coordinates)."""
+    if tile >= extent:
+        return extent, 0, [0]
+    if tile % alignment:
+        raise GridError(f"tile_shape[{axis}]={tile} is not a multiple of alignment[{axis}]={alignment}")
+    core = tile - 2 * halo
+    if core <= 0:
+        raise GridError(
+            f"halo[{axis}]={halo} leaves an empty core for tile_shape[{axis}]={tile} "
+            f"(core = tile - 2 * halo = {core})"
+        )
+    stride = (core - overlap) // alignment * alignment
+    if stride <= 0:
+        raise GridError(
+            f"overlap[{axis}]={overlap} leaves no positive stride for core {core} "
+            f"(tile_shape[{axis}]={tile}, halo[{axis}]={halo}, alignment[{axis}]={alignment})"
+        )
+    n = -(-(extent - tile) // stride) + 1
+    return tile, stride, [min(i * stride, extent - tile) for i in range(n)]
+
+
+def _kept_regions(starts: Sequence[int], tile: int, halo: int, extent: int, blended: bool) -> list[Span]:
+    """Per tile, the virtual interval whose output it contributes (before clipping to the roi)."""
+    n = len(starts)
+    kept: list[Span] = []
+    prev_hi = 0
+    for i, t in enumerate(starts):
+        lo = 0 if i == 0 else t + halo
+        hi = extent if i == n - 1 else t + tile - halo
+        kept.append((lo if blended else max(lo, prev_hi), hi))
+        prev_hi = hi
+    return kept
+
+
 def _plan_axis(
     axis: int,
     length: int,
@@ -234,87 +276,38 @@ def _plan_axis(
     alignment: int,
     scale: Fraction,
     border: BorderMode,
-    blend: BlendMode,
 ) -> AxisPlan:
     pad_lo = halo if border is BorderMode.PAD else 0
-    needed = length + 2 * pad_lo
-    extent = -(-needed // alignment) * alignment
-    if tile >= extent:
-        used, stride, starts = extent, 0, [0]
-    else:
-        if tile % alignment:
-            raise GridError(f"tile_shape[{axis}]={tile} is not a multiple of alignment[{axis}]={alignment}")
-        core = tile - 2 * halo
-        if core <= 0:
-            raise GridError(
-                f"halo[{axis}]={halo} leaves an empty core for tile_shape[{axis}]={tile} "
-                f"(core = tile - 2 * halo = {core})"
-            )
-        stride = (core - overlap) // alignment * alignment
-        if stride <= 0:
-            raise GridError(
-                f"overlap[{axis}]={overlap} leaves no positive stride for core {core} "
-                f"(tile_shape[{axis}]={tile}, halo[{axis}]={halo}, alignment[{axis}]={alignment})"
-            )
-        used = tile
-        n = -(-(extent - tile) // stride) + 1
-        starts = [min(i * stride, extent - tile) for i in range(n)]
-
+    extent = -(-(length + 2 * pad_lo) // alignment) * alignment
+    used, stride, starts = _place_tiles(axis, extent, tile, halo, overlap, alignment)
     n = len(starts)
-    cores = []
-    for i, t in enumerate(starts):
-        lo = 0 if i == 0 else t + halo
-        hi = extent if i == n - 1 else t + used - halo
-        cores.append((lo, hi))
+    blended = overlap > 0 and n > 1
+    kept = _kept_regions(starts, used, halo, extent, blended)
 
     out_lo = _scaled(pad_lo, scale, "halo", axis)
     out_length = math.ceil(length * scale)
     out_tile = _scaled(used, scale, "tile_shape", axis)
-    partition = overlap == 0 or n == 1
-    crops, writes, weights = [], [], []
-    coverage = np.zeros(out_length, dtype=np.float32)
-    kept_starts = []
-    prev_hi = 0
-    for i, (t, (c_lo, c_hi)) in enumerate(zip(starts, cores, strict=True)):
-        w_lo = max(c_lo, prev_hi) if partition else c_lo
-        prev_hi = c_hi
+    out_halo = _scaled(halo, scale, "halo", axis)
+    kept_starts: list[int] = []
+    crops: list[Span] = []
+    writes: list[Span] = []
+    windows: list[Span] = []
+    flat: list[tuple[bool, bool]] = []
+    for i, (t, (k_lo, k_hi)) in enumerate(zip(starts, kept, strict=True)):
         t_out = _scaled(t, scale, "tile origin", axis)
-        c_lo_out = _scaled(c_lo, scale, "halo", axis)
-        c_hi_out = _scaled(c_hi, scale, "halo", axis)
-        w_lo_out = _scaled(w_lo, scale, "halo", axis)
-        # Clip the written part to the roi, in output coordinates.
-        lo = max(w_lo_out, out_lo)
-        hi = min(c_hi_out, out_lo + out_length)
+        k_lo_out = _scaled(k_lo, scale, "halo", axis)
+        k_hi_out = _scaled(k_hi, scale, "halo", axis)
+        lo, hi = max(k_lo_out, out_lo), min(k_hi_out, out_lo + out_length)  # clip to the roi
         if hi <= lo:
             continue
         kept_starts.append(t)
         crops.append((lo - t_out, hi - t_out))
         writes.append((lo - out_lo, hi - out_lo))
-        if not partition:
-            # The window spans the nominal core [t + halo, t + T - halo); a core extended to the
-            # image border gets weight 1 there (no other tile covers it). Gaussian sigma = tile / 8.
-            nom_lo = t_out + _scaled(halo, scale, "halo", axis)
-            nom_hi = t_out + out_tile - (nom_lo - t_out)
-            window = blend_window(nom_hi - nom_lo, blend, flat_lo=i == 0, flat_hi=i == n - 1,
-                                  sigma=out_tile * GAUSSIAN_SIGMA_SCALE)  # fmt: skip
-            full = np.concatenate([
-                np.ones(nom_lo - c_lo_out, np.float32), window, np.ones(c_hi_out - nom_hi, np.float32)
-            ])  # fmt: skip
-            w = full[lo - c_lo_out : hi - c_lo_out]
-            weights.append(w)
-            coverage[lo - out_lo : hi - out_lo] += w
-    if partition:
-        covered = np.zeros(out_length, dtype=np.int64)
-        for lo, hi in writes:
-            covered[lo:hi] += 1
-        bad = covered != 1
-    else:
-        bad = ~(coverage > 0)
-    if bad.any():  # pragma: no cover - an engine bug, never a user error
-        raise CoverageError(
-            f"axis {axis}: output voxels {np.flatnonzero(bad)[:8].tolist()} are not covered "
-            f"exactly by the plan (length={length}, tile={used}, halo={halo}, overlap={overlap})"
-        )
+        # The window spans the nominal core [t + halo, t + T - halo); a core extended to the
+        # extent edge gets weight 1 there (no other tile covers it).
+        windows.append((t_out + out_halo - out_lo, t_out + out_tile - out_halo - out_lo))
+        flat.append((i == 0, i == n - 1))
+    _check_cover(axis, writes, out_length, blended, f"length={length}, tile={used}, halo={halo}")
     return AxisPlan(
         length=length,
         extent=extent,
@@ -326,6 +319,23 @@ def _plan_axis(
         out_tile=out_tile,
         crops=tuple(crops),
         writes=tuple(writes),
-        weights=None if partition else tuple(weights),
-        coverage=None if partition else coverage,
+        windows=tuple(windows),
+        flat=tuple(flat),
+        blended=blended,
+    )
+
+
+def _check_cover(axis: int, writes: Sequence[Span], out_length: int, blended: bool, what: str) -> None:
+    """Every output voxel is written (exactly once when the writes must partition the output)."""
+    covered = 0  # writes are sorted by start; everything below ``covered`` is written
+    for lo, hi in writes:
+        if lo > covered or (not blended and lo != covered):
+            break
+        covered = max(covered, hi)
+    else:
+        if covered == out_length:
+            return
+    raise CoverageError(  # pragma: no cover - an engine bug, never a user error
+        f"axis {axis}: the plan does not cover output voxels {covered}.. exactly once "
+        f"(writes {list(writes)[:8]}, out_length={out_length}, {what})"
     )

@@ -250,9 +250,42 @@ def test_input_with_wrong_ndim(inputs, fragments):
 
 
 def test_input_with_more_axes_than_tile(image):
-    # A (C, H, W) image with a 3-D tile: the mismatch names both axis counts.
-    with _raises(GridError, "3 axes", "2 spatial axes"):
+    # A (C, H, W) image with a 3-D tile: the mismatch names both axis counts and the input's shape.
+    with _raises(GridError, "3 axes", "2 spatial axes", "(1, 40, 30)", "(C, *spatial)"):
         tiled_inference(image, identity, (4, 4, 4))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "name", "value", "fragments"),
+    [
+        pytest.param(
+            np.zeros((1, 1, 40, 30), np.float32), "tile_shape", (16, 16),
+            ("(1, 1, 40, 30)", "(C, *spatial)", "3 spatial axes", "spatial shape (1, 40, 30)"),
+            id="numpy-with-batch-axis",
+        ),
+        pytest.param(
+            torch.zeros(1, 40, 30), "halo", (2, 2),
+            ("(1, 40, 30)", "(N, C, *spatial)", "1 spatial axes", "spatial shape (30,)"),
+            id="torch-without-batch-axis",
+        ),
+        pytest.param(
+            np.zeros((2, 9, 8, 7), np.float32), "overlap", (1, 1),
+            ("overlap=(1, 1)", "(2, 9, 8, 7)", "3 spatial axes"), id="overlap-axes",
+        ),
+        pytest.param(
+            np.zeros((2, 9, 8, 7), np.float32), "alignment", [2, 2],
+            ("alignment=(2, 2)", "(2, 9, 8, 7)"), id="alignment-axes",
+        ),
+        pytest.param(
+            np.zeros((2, 9, 8), np.float32), "scale", (1, 1, 1),
+            ("scale=(1, 1, 1)", "(2, 9, 8)"), id="scale-axes",
+        ),
+    ],
+)  # fmt: skip
+def test_layout_errors_name_the_received_shape(inputs, name, value, fragments):
+    kwargs = {"tile_shape": 4, name: value}
+    with _raises(GridError, *fragments):
+        tiled_inference(inputs, identity, **kwargs)
 
 
 def test_out_with_wrong_spatial_shape(image):

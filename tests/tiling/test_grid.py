@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiling import BlendMode, TileGrid
+from tiling.blend import axis_weights
 
 CASES = [
     pytest.param((100,), 32, 4, 0, 1, id="1d-L100-T32-h4"),
@@ -80,14 +81,16 @@ def test_cores_partition_or_cover_the_image(shape, tile, halo, overlap, align):
         assert (count >= 1).all()
         # The plan's per-axis coverage is the sum of the per-axis weights over the tiles.
         for ax in grid.axes:
-            if ax.weights is None:
+            weights = axis_weights(ax, grid.blend)
+            assert (weights is None) == (not ax.blended)
+            if weights is None:
                 continue
             cov = np.zeros(ax.out_length, dtype=np.float64)
-            for (w0, w1), w in zip(ax.writes, ax.weights, strict=True):
+            for (w0, w1), w in zip(ax.writes, weights.weights, strict=True):
                 assert w.dtype == np.float32 and w.shape == (w1 - w0,) and (w > 0).all()
                 cov[w0:w1] += w
-            np.testing.assert_allclose(ax.coverage, cov, rtol=1e-6)  # fp32 vs fp64 summation order
-            assert (ax.coverage > 0).all()
+            np.testing.assert_allclose(weights.coverage, cov, rtol=1e-6)  # fp32 vs fp64 summation order
+            assert (weights.coverage > 0).all()
 
 
 def test_known_plan_1d():
@@ -174,6 +177,6 @@ def test_property_every_voxel_covered(plan):
         for w0, w1 in ax.writes:
             written[w0:w1] += 1
         assert (written >= 1).all()
-        if ax.weights is None:
+        if not ax.blended:
             assert (written == 1).all()
         assert ax.starts[-1] + ax.tile == ax.extent and all(s % a == 0 for s in ax.starts)
