@@ -204,14 +204,18 @@ class InferenceParams(BaseModel):
     )
 
     def merged(self, defaults: InferenceParams) -> InferenceParams:
-        """These parameters, with every unset (``None``) one taken from ``defaults``."""
-        mine = self.model_dump(exclude_none=True)
+        """These parameters, with every one not given here taken from ``defaults``.
+
+        "Given" means set explicitly (pydantic's ``model_fields_set``), so a field may have a
+        default of its own (used when neither side gives it) without overriding ``defaults``.
+        """
+        mine = {k: v for k, v in self.model_dump(exclude_unset=True).items() if v is not None}
         return defaults.model_copy(update=mine)
 
     def to_query(self) -> dict[str, str]:
-        """The set parameters as strings (HTTP query, command line): tuples comma-separated."""
+        """The given parameters as strings (HTTP query, command line): tuples comma-separated."""
         out = {}
-        for name, value in self.model_dump(mode="json", exclude_none=True).items():
+        for name, value in self.model_dump(mode="json", exclude_unset=True, exclude_none=True).items():
             out[name] = ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
         return out
 
