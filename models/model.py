@@ -167,8 +167,6 @@ class Model:
             InputError: ``x`` is not the image the plan was made for.
             InferenceError: the backend failed (``DeviceOutOfMemoryError`` when out of memory).
         """
-        from tiling import tiled_inference
-
         spec = self.spec
         if tuple(x.shape[1:]) != plan.spatial_shape or x.shape[0] != spec.in_channels:
             raise InputError(
@@ -178,12 +176,27 @@ class Model:
         start = time.perf_counter()
         labels = plan.output == OutputKind.LABELS
         target = out[None] if out is not None and labels else out
+        result = self._tiled(x, plan, make_reduce(spec.activation, plan.output.value), target, progress)
+        logger.info("model %s: %s in %.2f s", spec.name, plan.header(), time.perf_counter() - start)
+        if out is not None:
+            return out
+        if labels:
+            return np.asarray(result)[0]
+        return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
+
+    def _tiled(
+        self, x: npt.NDArray[np.float32], plan: RunPlan, reduce: Any, out: Any, progress: bool
+    ) -> npt.NDArray[Any]:
+        """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
+        from tiling import tiled_inference
+
+        spec = self.spec
         # Whole-image pool means are state on the predictor: one global-pooling run at a time.
         with self._run_lock if self.context is not None else contextlib.nullcontext():
             try:
                 if self.context is not None:
                     self._prepare_context(self.context, x, plan)
-                result = tiled_inference(
+                result: npt.NDArray[Any] = tiled_inference(
                     x,
                     self.predictor,
                     tile_shape=plan.tile,
@@ -194,19 +207,14 @@ class Model:
                     scale=spec.scale,
                     batch_size=plan.batch_size,
                     device=self.predictor.device,
-                    out=target,
-                    reduce=make_reduce(spec.activation, plan.output.value),
+                    out=out,
+                    reduce=reduce,
                     progress=progress,
                 )
             finally:
                 if self.context is not None:
                     self.context.clear_context()
-        logger.info("model %s: %s in %.2f s", spec.name, plan.header(), time.perf_counter() - start)
-        if out is not None:
-            return out
-        if labels:
-            return np.asarray(result)[0]
-        return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
+        return result
 
     def run(
         self,
