@@ -120,7 +120,9 @@ class Model:
             scale=spec.scale,
             blend=p.blend.value,
         )
-        plan = RunPlan(spec.name, shape, tile, halo, overlap, p.blend, p.batch_size, p.output, source, grid)
+        plan = RunPlan(
+            spec.name, shape, tile, halo, overlap, p.blend, p.batch_size, p.output, source, grid, p.tta
+        )
         logger.info("model %s: plan %s (halo from %s)", spec.name, plan.header(), source)
         return plan
 
@@ -158,6 +160,9 @@ class Model:
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
+        With ``tta=mirror`` the plan runs once per flip of the spatial axes and the probabilities
+        are averaged before labels are taken: for a local network, tiled TTA equals whole-image TTA.
+
         Returns:
             ``(C_out, *spatial * scale)`` probabilities after the activation (float32, or float16
             when the spec's output dtype says so), or ``(*spatial * scale)`` uint8 labels (argmax
@@ -175,8 +180,26 @@ class Model:
             )
         start = time.perf_counter()
         labels = plan.output == OutputKind.LABELS
-        target = out[None] if out is not None and labels else out
-        result = self._tiled(x, plan, make_reduce(spec.activation, plan.output.value), target, progress)
+        if len(plan.flips) == 1:
+            target = out[None] if out is not None and labels else out
+            result = self._tiled(x, plan, make_reduce(spec.activation, plan.output.value), target, progress)
+        else:  # tta: the mean of the probabilities over the flipped passes, then the output kind
+            total: npt.NDArray[np.float32] | None = None
+            for axes in plan.flips:
+                dims = [1 + a for a in axes]
+                flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
+                y = self._tiled(flipped, plan, make_reduce(spec.activation, "probabilities"), None, progress)
+                y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
+                total = y.copy() if total is None else total + y
+            assert total is not None
+            result = total / np.float32(len(plan.flips))
+            reduce = make_reduce("none", plan.output.value)
+            if reduce is not None:
+                import torch
+
+                result = reduce(torch.from_numpy(result)).numpy()
+            if out is not None:
+                out[...] = result[0] if labels else result
         logger.info("model %s: %s in %.2f s", spec.name, plan.header(), time.perf_counter() - start)
         if out is not None:
             return out

@@ -31,6 +31,7 @@ __all__ = [
     "OutputKind",
     "PerAxis",
     "StrEnum",
+    "Tta",
     "parse_params",
 ]
 
@@ -76,6 +77,13 @@ class OutputFormat(StrEnum):
     def suffix(self) -> str:
         """``".nii.gz"`` for ``nii.gz`` and so on."""
         return "." + self.value
+
+
+class Tta(StrEnum):
+    """Test-time augmentation: ``none``, or ``mirror``: the mean over flips of the spatial axes."""
+
+    NONE = "none"
+    MIRROR = "mirror"
 
 
 def _did_you_mean(value: str, choices: list[str]) -> str:
@@ -201,6 +209,11 @@ class InferenceParams(BaseModel):
         None,
         description="Output format. Default: nii.gz for NIfTI input; png for labels and tiff "
         "(float32) for probabilities otherwise.",
+    )
+    tta: Annotated[Tta, _choice(Tta)] = Field(
+        Tta.NONE,
+        description="Test-time augmentation: `mirror` averages the predictions over flips of every "
+        "spatial axis (2**dims tiled passes).",
     )
 
     def merged(self, defaults: InferenceParams) -> InferenceParams:

@@ -7,9 +7,10 @@ nothing plans or calibrates again after a run.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
-from models.params import Blend, OutputKind
+from models.params import Blend, OutputKind, Tta
 from tiling import TileGrid
 from tiling.plan import work_ratio
 
@@ -32,7 +33,8 @@ class RunPlan:
         output: probabilities or labels.
         halo_source: ``"given"``, ``"one tile"`` (auto, nothing to calibrate) or the calibration's
             sample.
-        grid: the tile grid the run executes.
+        grid: the tile grid the run executes (once per entry of :attr:`flips`).
+        tta: test-time augmentation.
     """
 
     model: str
@@ -45,11 +47,20 @@ class RunPlan:
     output: OutputKind
     halo_source: str
     grid: TileGrid
+    tta: Tta = Tta.NONE
+
+    @property
+    def flips(self) -> tuple[tuple[int, ...], ...]:
+        """Spatial axes flipped in each tiled pass: ``((),)``, or every subset for ``tta=mirror``."""
+        if self.tta == Tta.NONE:
+            return ((),)
+        axes = range(len(self.spatial_shape))
+        return tuple(c for k in range(len(axes) + 1) for c in itertools.combinations(axes, k))
 
     @property
     def n_tiles(self) -> int:
-        """Tiles of the grid (forward-pass inputs per network pass over the image)."""
-        return self.grid.n_tiles
+        """Tiles fed to the network: the grid's, once per tiled pass."""
+        return self.grid.n_tiles * len(self.flips)
 
     @property
     def work(self) -> float:

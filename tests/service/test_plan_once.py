@@ -58,3 +58,22 @@ def test_tilewise_infer_on_grey_16bit_with_auto_halo(text_models_dir: Path, tmp_
     args = ["--models", str(text_models_dir), "--device", "cpu", "--tile", "256", "--halo", "auto"]
     assert main(["infer", str(source), str(target), "--model", "text-det-2d", *args]) == 0
     assert target.is_file()
+
+
+def test_plan_header_and_tta_over_http(client, tmp_path: Path) -> None:
+    """X-Tilewise-Plan reports the one plan; ``tta`` is a query parameter, a /v1/models default and
+    an OpenAPI parameter, all from the one schema."""
+    body = _grey_png(tmp_path, np.uint8).read_bytes()
+    query = {"tile": "64", "halo": "4"}
+    plain = client.post("/v1/models/gaussian-2d/infer", content=body, params=query)
+    mirrored = client.post("/v1/models/gaussian-2d/infer", content=body, params={**query, "tta": "mirror"})
+    assert plain.status_code == mirrored.status_code == 200, mirrored.text
+    # 90x300 with tile 64, halo 4: 2 x 6 tiles; mirror runs them once per flip of the 2 axes
+    assert plain.headers["x-tilewise-plan"] == "tile=64,64; halo=4,4; overlap=0,0; tiles=12; work=1.82"
+    assert mirrored.headers["x-tilewise-plan"] == "tile=64,64; halo=4,4; overlap=0,0; tiles=48; work=7.28"
+    bad = client.post("/v1/models/gaussian-2d/infer", content=body, params={"tta": "flip"})
+    assert bad.status_code == 400 and "tta='flip'" in bad.json()["detail"]
+    assert client.get("/v1/models/gaussian-2d").json()["defaults"]["tta"] == "none"
+    infer = client.get("/openapi.json").json()["paths"]["/v1/models/{name}/infer"]["post"]
+    tta = next(p for p in infer["parameters"] if p["name"] == "tta")
+    assert tta["schema"]["enum"] == ["none", "mirror"]
