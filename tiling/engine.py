@@ -41,6 +41,8 @@ def tiled_inference(
     out: Any = None,
     reduce: Reducer | None = None,
     progress: bool = False,
+    *,
+    fixed_tile_shape: bool = False,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
 
@@ -72,6 +74,12 @@ def tiled_inference(
         reduce: maps each finalized region ``(C_out, *region)`` (float32 torch) to
             ``(C_red, *region)`` before it is written, e.g. argmax to uint8 labels.
         progress: show a tqdm progress bar over tiles.
+        fixed_tile_shape: feed every tile at exactly ``tile_shape`` (the last one shifted back to the
+            image edge), for engines compiled for one input shape (TensorRT). By default tiles are
+            sized to the grid: the same number of tiles, each the smallest multiple of ``alignment``
+            that still covers the image, origins spread evenly (see :mod:`tiling.grid`), so fewer
+            voxels go through the network. Either way tiles exceed the image only when
+            ``tile_shape`` does, and then shrink to the (aligned) image.
 
     Returns:
         ``(C_out or C_red, *ceil(spatial * scale))`` of the input's array type (numpy for numpy,
@@ -93,7 +101,7 @@ def tiled_inference(
                   scale=scale)  # fmt: skip
     grid = TileGrid.plan(
         shape[lead:], tile_shape, halo, overlap=overlap, alignment=alignment, scale=scale,
-        border=border, blend=blend,
+        border=border, blend=blend, fixed_tile_shape=fixed_tile_shape,
     )  # fmt: skip
     logger.info("tiled inference plan: %s", grid.summary())
     run_device = torch.device(device) if device is not None else (

@@ -112,7 +112,8 @@ class SlabMerger:
         """Add ``values`` times the tile's weight; release the slab of a finished row of tiles."""
         if self._acc is None:
             channels = int(values.shape[0])
-            self._acc = SlabAccumulator(channels, self.grid.out_shape, self._coverages, self.device)
+            rows = max(hi - lo for lo, hi in self.grid.axes[0].writes)  # the most one row holds
+            self._acc = SlabAccumulator(channels, self.grid.out_shape, self._coverages, self.device, rows)
         self._acc.add(tile.write, values, self._tile_weight(tile))
         row = tile.index[0]
         self._rows_left[row] -= 1
