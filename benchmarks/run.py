@@ -384,11 +384,11 @@ def make_runner(
         return run, warm_tile
 
     if kind == "model-run":
-        from models.options import InferenceOptions
+        from models.params import InferenceParams
         from models.repository import ModelRepository
 
         model = ModelRepository(job["models_dir"], device="cpu").get(job["model_name"])
-        options = InferenceOptions(
+        options = InferenceParams(
             tile=job.get("model_tile"), halo="auto", halo_tolerance=float(job.get("tolerance", 1e-4))
         )
 
@@ -396,12 +396,9 @@ def make_runner(
             return model.run(data, options)
 
         def warm() -> None:  # probe the receptive field and calibrate the halo (both cached)
-            from models.preprocess import preprocess
-
-            resolved = options.resolve(model.spec)
-            x = preprocess(np.asarray(data), model.spec)
-            halo = model.resolve_halo(resolved.halo, resolved.tile, resolved.halo_tolerance, x)
-            meta["plan"] = {"tile": list(resolved.tile), "halo": list(halo)}
+            x = model.preprocess(np.asarray(data))
+            plan = model.plan(x.shape[1:], options, sample=x)
+            meta["plan"] = {"tile": list(plan.tile), "halo": list(plan.halo)}
 
         return run, warm
 
@@ -620,8 +617,8 @@ def worker_inprocess(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(int(job["threads"]))
+    from models.params import parse_params
     from models.repository import ModelRepository
-    from service.params import parse_params
     from service.pipeline import run_file
 
     model = ModelRepository(job["models_dir"], device="cpu").get(job["model_name"])

@@ -8,6 +8,7 @@ One root, :class:`ModelError`; each class also inherits the builtin it refines, 
       RegistryError(ModelError, RuntimeError)      duplicate registration
       SpecError(ModelError, ValueError)            invalid spec file: names the file and the field
       InputError(ModelError, ValueError)           input the model cannot take (channels, dimensions)
+      ParamError(ModelError, ValueError)           unknown inference parameter or invalid value
       WeightsError(ModelError)                     weights file missing or unreadable
         ChecksumMismatchError(WeightsError)        SHA-256 differs from the spec's
         IncompatibleWeightsError(WeightsError)     missing/unexpected keys, shape mismatch
@@ -30,6 +31,7 @@ __all__ = [
     "InferenceError",
     "InputError",
     "ModelError",
+    "ParamError",
     "RegistryError",
     "SpecError",
     "UnknownModelError",
@@ -55,6 +57,10 @@ class SpecError(ModelError, ValueError):
 
 class InputError(ModelError, ValueError):
     """Input the model cannot take: wrong channel count or number of spatial dimensions."""
+
+
+class ParamError(ModelError, ValueError):
+    """An unknown inference parameter or an invalid value (the message names both)."""
 
 
 class WeightsError(ModelError):

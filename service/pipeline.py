@@ -1,7 +1,9 @@
-"""One file through one model: decode, fit the layout to the model, run, encode.
+"""The one orchestration of a request: decode, fit, preprocess, plan, tiled run, postprocess, encode.
 
 The server (in its executor thread) and ``tilewise infer`` both call :func:`run_file`, so their
-outputs are identical for the same file and parameters.
+outputs are identical for the same file and parameters. The :class:`~models.RunPlan` is made once,
+on the preprocessed image, before the run; the result carries it to the metrics
+(``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``). Nothing plans again after a run.
 
 Layout rules (DESIGN.md "Interfaces in detail"): a 2D image ``(C, H, W)`` goes to 2D models; a
 NIfTI ``(C, X, Y, Z)`` goes to 3D models, and also to 2D models when ``Z == 1`` (a single slice),
@@ -16,13 +18,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from service.codecs import OUTPUT_FORMATS, DecodedVolume, decode, default_format, encode
 from service.errors import BadParameterError, UnusableInputError
-from service.params import InferenceParams
+
+if TYPE_CHECKING:
+    from models import InferenceParams, Model, RunPlan
 
 __all__ = ["MEDIA_TYPES", "InferenceResult", "fit_to_model", "plan_format", "run_file", "run_volume"]
 
@@ -40,7 +44,7 @@ MEDIA_TYPES = {
 
 @dataclass(frozen=True, slots=True)
 class InferenceResult:
-    """Where the output went and what it is."""
+    """Where the output went, what it is, and the plan that made it."""
 
     path: Path
     format: str
@@ -50,8 +54,13 @@ class InferenceResult:
     output_dtype: str
     output_kind: str
     seconds: float
-    n_tiles: int | None
+    plan: RunPlan
     size_bytes: int
+
+    @property
+    def n_tiles(self) -> int:
+        """Tiles of the plan that ran."""
+        return self.plan.n_tiles
 
 
 def fit_to_model(volume: DecodedVolume, spec: Any) -> tuple[np.ndarray, bool]:
@@ -96,9 +105,8 @@ def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, outpu
     Raises:
         BadParameterError: ``png`` for a 3D output.
     """
-    fmt = params.format or getattr(spec.defaults, "format", None) or default_format(volume, output_kind)
-    if fmt not in OUTPUT_FORMATS:
-        raise BadParameterError(f"format={fmt!r} is not one of {list(OUTPUT_FORMATS)}")
+    fmt = params.format or spec.defaults.format or default_format(volume, output_kind)
+    fmt = str(fmt)
     if fmt == "png" and spec.spatial_dims != 2:
         raise BadParameterError(
             f"format=png needs a 2D output; model {spec.name!r} is 3D (use nii.gz or tiff)"
@@ -106,70 +114,28 @@ def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, outpu
     return fmt
 
 
-def _options(params: InferenceParams, spec: Any) -> tuple[Any, Any]:
-    """``models.InferenceOptions`` from the parameters, and the same resolved against the spec.
-
-    Raises:
-        BadParameterError: a value the model's option validation refuses (count per axis, range).
-    """
-    from models import InferenceOptions
-
-    try:
-        options = InferenceOptions(**params.option_kwargs())  # type: ignore[arg-type]
-        return options, options.resolve(spec)
-    except ValueError as exc:
-        raise BadParameterError(str(exc)) from exc
-
-
-def _count_tiles(model: Any, data: np.ndarray, resolved: Any) -> int | None:
-    """Tiles of the plan just run, for the metrics (``None`` when it cannot be known)."""
-    from tiling import TileGrid
-
-    spec = model.spec
-    halo = resolved.halo
-    try:
-        if isinstance(halo, str):  # "auto": the model calibrated (and cached) it during the run
-            halo = model.resolve_halo(halo, resolved.tile, resolved.halo_tolerance, data)
-        grid = TileGrid.plan(
-            data.shape[1:],
-            resolved.tile,
-            halo,
-            overlap=resolved.overlap,
-            alignment=spec.alignment,
-            scale=spec.scale,
-            blend=resolved.blend,
-        )
-    except (ValueError, AttributeError, TypeError):
-        return None
-    return int(grid.n_tiles)
-
-
-def run_volume(
-    model: Any, volume: DecodedVolume, params: InferenceParams
-) -> tuple[np.ndarray, str, int | None]:
+def run_volume(model: Model, volume: DecodedVolume, params: InferenceParams) -> tuple[np.ndarray, RunPlan]:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
     Returns:
-        ``(array, output_kind, n_tiles)``: uint8 ``(*spatial)`` labels or float32
-        ``(C_out, *spatial)`` values with ``spatial == volume.spatial_shape``.
+        ``(array, plan)``: uint8 ``(*spatial)`` labels or float32 ``(C_out, *spatial)`` values with
+        ``spatial == volume.spatial_shape``, and the plan that ran.
     """
-    spec = model.spec
-    data, dropped = fit_to_model(volume, spec)
-    options, resolved = _options(params, spec)
-    output_kind = str(getattr(resolved, "output", None) or spec.output_kind)
-    result = np.asarray(model.run(data, options))
-    n_tiles = _count_tiles(model, data, resolved)
+    data, dropped = fit_to_model(volume, model.spec)
+    x = model.preprocess(data)
+    plan = model.plan(x.shape[1:], params, sample=x)
+    result = np.asarray(model.execute(x, plan))
     if dropped:
         result = result[..., None]
-    if output_kind == "labels":
+    if plan.output == "labels":
         result = result.astype(np.uint8, copy=False)
     elif result.dtype != np.float32:
         result = result.astype(np.float32)
-    return result, output_kind, n_tiles
+    return result, plan
 
 
 def run_file(
-    model: Any,
+    model: Model,
     source: Path,
     target_stem: Path,
     params: InferenceParams,
@@ -180,7 +146,7 @@ def run_file(
     """Decode ``source``, run ``model``, write the output next to ``target_stem``.
 
     Args:
-        model: a ``models.Model`` (``.spec``, ``.run``).
+        model: a loaded ``models.Model``.
         source: the input file (format detected by content).
         target_stem: output path without suffix; the format's suffix is appended.
         params: validated inference parameters.
@@ -190,24 +156,21 @@ def run_file(
     started = time.perf_counter()
     volume = decode(source, max_voxels=max_voxels, max_image_pixels=max_image_pixels)
     spec = model.spec
-    # The format is checked before the (long) run; layout and options in run_volume, also before.
-    provisional_kind = str(params.output or getattr(spec.defaults, "output", None) or spec.output_kind)
-    fmt = plan_format(volume, spec, params, provisional_kind)
-    array, output_kind, n_tiles = run_volume(model, volume, params)
-    if params.format is None and output_kind != provisional_kind:
-        fmt = plan_format(volume, spec, params, output_kind)
+    output_kind = str(params.output or spec.defaults.output)
+    fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
+    array, plan = run_volume(model, volume, params)
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
     encode(volume, array, fmt, path)
     seconds = time.perf_counter() - started
     logger.info(
-        "model=%s input=%s%s output=%s%s %s n_tiles=%s in %.3fs",
+        "model=%s input=%s%s output=%s%s %s plan=%s in %.3fs",
         spec.name,
         volume.kind,
         tuple(volume.data.shape),
         fmt,
         tuple(array.shape),
         array.dtype,
-        n_tiles,
+        plan.header(),
         seconds,
     )
     return InferenceResult(
@@ -219,6 +182,6 @@ def run_file(
         output_dtype=str(array.dtype),
         output_kind=output_kind,
         seconds=seconds,
-        n_tiles=n_tiles,
+        plan=plan,
         size_bytes=path.stat().st_size,
     )

@@ -13,6 +13,15 @@ from tiling.engine import tiled_inference
 from tiling.errors import AccumulatorStateError, CoverageError, GridError, ShapeMismatchError, TilingError
 from tiling.geometry import BlendMode, BorderMode, PaddingMode
 from tiling.grid import AxisPlan, Tile, TileGrid
+from tiling.plan import (
+    aligned_extent,
+    calibration_margin,
+    cap_halo,
+    context_halo,
+    fits_one_tile,
+    round_up,
+    work_ratio,
+)
 from tiling.windows import pad_to_fit, sample_windows, sliding_windows
 
 __all__ = [
@@ -27,8 +36,15 @@ __all__ = [
     "Tile",
     "TileGrid",
     "TilingError",
+    "aligned_extent",
+    "calibration_margin",
+    "cap_halo",
+    "context_halo",
+    "fits_one_tile",
     "pad_to_fit",
+    "round_up",
     "sample_windows",
     "sliding_windows",
     "tiled_inference",
+    "work_ratio",
 ]

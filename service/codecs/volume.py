@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from service._options import FORMAT_SUFFIXES
+from models.params import OutputFormat
 from service.errors import PayloadTooLargeError, UnusableInputError
 
 __all__ = ["OUTPUT_FORMATS", "DecodedVolume", "Probe"]
 
 #: Every output format :func:`service.codecs.encode` writes, with its file suffix.
-OUTPUT_FORMATS: dict[str, str] = FORMAT_SUFFIXES
+OUTPUT_FORMATS: dict[str, str] = {f.value: f.suffix for f in OutputFormat}
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import ChecksumMismatchError, InferenceOptions, ModelRepository, WeightsError
+from models import ChecksumMismatchError, InferenceParams, ModelRepository, WeightsError
 from models.preprocess import preprocess
 from models.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, WHEEL_MEMBER, setup_text_det
 from models.weights import sha256_file
@@ -88,9 +88,10 @@ def test_tiled_auto_halo_matches_whole_image(text_det, radiograph: np.ndarray, w
         whole = text_det.predictor(torch.from_numpy(x)[None])[0].numpy()
     whole_s = time.perf_counter() - start
     start = time.perf_counter()
-    tiled = text_det.run(image, InferenceOptions(tile=tile, halo="auto", halo_tolerance=1e-3))
+    params = InferenceParams(tile=tile, halo="auto", halo_tolerance=1e-3)
+    tiled = text_det.run(image, params)
     tiled_s = time.perf_counter() - start
-    halo = text_det.resolve_halo("auto", tile, 1e-3, x)  # cached for this image: no new calibration
+    halo = text_det.plan(x.shape[1:], params, sample=x).halo  # cached for this image: no new calibration
     err = float(np.abs(tiled - whole).max())
     logger.info(
         "text-det-2d %s %s tile %s: halo %s, max abs diff %.3g, tiled %.1f s vs whole %.1f s (max p %.3f)",

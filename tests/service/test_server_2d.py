@@ -68,7 +68,7 @@ def text_det(text_models_dir: Path):
 def test_text_detector_on_real_images(
     client: httpx.Client, text_det, request: pytest.FixtureRequest, name: str, halo: int | None
 ) -> None:
-    from models import InferenceOptions
+    from models import InferenceParams
 
     path: Path = request.getfixturevalue(name)
     with Image.open(path) as image:
@@ -79,7 +79,7 @@ def test_text_detector_on_real_images(
     assert response.headers["content-type"] == "image/tiff"
     out = tifffile.imread(io.BytesIO(response.content))
     assert out.shape == (height, width) and out.dtype == np.float32
-    expected = text_det.run(decode(path).data, InferenceOptions(halo=halo))
+    expected = text_det.run(decode(path).data, InferenceParams(halo=halo))
     assert expected.shape == (1, height, width)
     diff = float(np.abs(out - expected[0]).max())
     logger.info("text-det-2d %s %dx%d via HTTP: max |server - in-process| = %.3g (p max %.3g)",
