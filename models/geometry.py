@@ -246,7 +246,8 @@ def plan_geometry(
     ornt = np.column_stack([np.arange(ndim), np.ones(ndim)])
     codes: tuple[str, ...] | None = None
     if ndim == 3 and aff is not None:
-        codes = tuple(str(c) for c in nib.aff2axcodes(aff))  # type: ignore[no-untyped-call]
+        found = nib.aff2axcodes(aff)  # type: ignore[no-untyped-call]
+        codes = tuple(str(c) for c in found) if None not in found else None
     if orientation is not None:
         target = _check_codes(orientation)
         if ndim != 3:

@@ -243,7 +243,9 @@ def test_slab_labels_equal_full_volume_resample_then_argmax(rng, activation, max
     data, aff = _as_codes(ras, np.diag([0.7, 0.7, 1.5, 1.0]), "LPI")
     plan = plan_geometry(data.shape, aff, orientation="RAS", spacing_mm=(1.0, 1.0, 1.0))
     assert plan.model_shape == (16, 13, 26)
-    pred = (2.0 * rng.standard_normal((4, *plan.model_shape))).astype(np.float32)
+    # logits for sigmoid / softmax; with "none" the network's outputs are probabilities already
+    logits = 2.0 * rng.standard_normal((4, *plan.model_shape))
+    pred = (rng.random((4, *plan.model_shape)) if activation == "none" else logits).astype(np.float32)
     inverse = np.array(plan.inverse_ornt)
     full = _full_back(pred, plan.reoriented_shape, activation).numpy()
     want_labels = apply_orientation(full.argmax(0), inverse)
@@ -356,6 +358,9 @@ def test_peak_memory_is_labels_plus_one_slab():
 # --- errors --------------------------------------------------------------------------------------
 
 
+_RANK2 = np.array([[1.0, 1.0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]])  # two columns alike
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "match"),
     [
@@ -363,6 +368,7 @@ def test_peak_memory_is_labels_plus_one_slab():
         pytest.param(((4, 0, 4), None), {}, "1 to 3 axes", id="empty-axis"),
         pytest.param(((4, 4, 4), np.eye(3)), {}, r"affine has shape \(3, 3\)", id="affine-shape"),
         pytest.param(((4, 4, 4), np.diag([1.0, 0.0, 1.0, 1.0])), {}, "zero or non-finite", id="affine-zero"),
+        pytest.param(((4, 4, 4), _RANK2), {"orientation": "RAS"}, "no closest axis codes", id="affine-rank2"),
         pytest.param(((4, 4, 4), np.eye(4)), {"orientation": "RA"}, "three axis codes", id="codes-short"),
         pytest.param(((4, 4, 4), np.eye(4)), {"orientation": "RAX"}, "three axis codes", id="codes-letter"),
         pytest.param(((4, 4, 4), np.eye(4)), {"orientation": "RLS"}, "world axis twice", id="codes-dup"),
@@ -381,6 +387,11 @@ def test_peak_memory_is_labels_plus_one_slab():
 def test_plan_errors_name_the_parameter(args, kwargs, match):
     with pytest.raises(GeometryError, match=match):
         plan_geometry(*args, **kwargs)
+
+
+def test_degenerate_affine_without_orientation_has_no_codes():
+    plan = plan_geometry((4, 4, 4), _RANK2)
+    assert plan.input_codes is None and plan.is_identity
 
 
 def test_array_errors():
