@@ -1,4 +1,4 @@
-"""models.geometry: reorientation against nibabel, resampling against scipy, slab-wise labels.
+"""models.geometry and models.resample: orientation against nibabel, resampling against scipy, slabs.
 
 Oracles written elsewhere: ``nibabel.as_closest_canonical`` and ``apply_orientation`` (orientation),
 ``scipy.ndimage.map_coordinates`` (linear resampling at the documented voxel centres), a
@@ -24,13 +24,8 @@ from scipy import ndimage
 
 import models.geometry as geometry
 from models.errors import InputError
-from models.geometry import (
-    GeometryError,
-    from_model_labels,
-    from_model_probabilities,
-    plan_geometry,
-    to_model,
-)
+from models.geometry import GeometryError, plan_geometry
+from models.resample import from_model_labels, from_model_probabilities, to_model
 
 MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
@@ -303,7 +298,8 @@ _PEAK_SCRIPT = textwrap.dedent(
     """
     import json
     import numpy as np, torch, torch.nn.functional as F
-    from models.geometry import plan_geometry, from_model_labels
+    from models.geometry import plan_geometry
+    from models.resample import from_model_labels
 
     def status(key):
         for line in open("/proc/self/status"):
