@@ -96,10 +96,14 @@ def tiled_inference(
             f"inputs of shape {shape} has {len(shape)} dimensions; expected {expected} with at "
             "least one spatial axis"
         )
-    grid = TileGrid.plan(
-        shape[lead:], tile_shape, halo, overlap=overlap, alignment=alignment, scale=scale,
-        border=border, blend=blend,
-    )  # fmt: skip
+    layout = "(N, C, *spatial)" if is_torch else "(C, *spatial)"
+    try:
+        grid = TileGrid.plan(
+            shape[lead:], tile_shape, halo, overlap=overlap, alignment=alignment, scale=scale,
+            border=border, blend=blend,
+        )  # fmt: skip
+    except GridError as exc:  # name the received shape: a missing C axis shows up as an axis count
+        raise GridError(f"{exc} (inputs of shape {shape}, read as {layout})") from exc
     logger.info("tiled inference plan: %s", grid.summary())
     run_device = torch.device(device) if device is not None else (
         inputs.device if is_torch else torch.device("cpu")
