@@ -55,7 +55,7 @@ from pydantic import (
 )
 
 from models.errors import SpecError
-from models.params import InferenceParams, OutputKind, StrEnum, _per_axis
+from models.params import Blend, InferenceParams, OutputKind, StrEnum, _per_axis
 from models.steps import STEP_PARAMS, PreprocessStep, check_params
 
 __all__ = [
@@ -169,7 +169,7 @@ class ModelSpec(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     alignment: Positive = 1
     scale: Positive = 1
-    receptive_field: Annotated[tuple[int, ...] | int | None, _per_axis(0)] = None
+    receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
     tile_dependent: StrictBool = False
     global_pooling: StrictBool = False
     precision: Precision = Precision.FP32
@@ -189,6 +189,9 @@ class ModelSpec(BaseModel):
             for key in ("defaults", "output", "params"):  # ``key:`` with no value: the defaults
                 if key in raw and raw[key] is None:
                     del raw[key]
+            rf, dims = raw.get("receptive_field"), raw.get("spatial_dims")
+            if isinstance(rf, int) and not isinstance(rf, bool) and isinstance(dims, int):
+                raw["receptive_field"] = [rf] * dims  # one radius for every axis
         return raw
 
     @model_validator(mode="after")
@@ -206,7 +209,7 @@ class ModelSpec(BaseModel):
                 halo=0,
                 halo_tolerance=1e-4,
                 overlap=0,
-                blend="constant",
+                blend=Blend.CONSTANT,
                 batch_size=1,
                 output=self.output.kind,
             )
