@@ -26,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
 
+from PIL import Image
 from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -52,8 +53,8 @@ class Settings(BaseSettings):
     device: str | None = None
     max_upload_bytes: int = Field(default=2 * 2**30, ge=1)
     max_voxels: int = Field(default=2**30, ge=1)
-    # Pillow's own default is 89.5 Mpx; scanned documents and slides of 20000 x 20000 px are real.
-    max_image_pixels: int = Field(default=500_000_000, ge=1)
+    # Pillow's own decompression-bomb threshold (89.5 Mpx); raise it for big scans and slides.
+    max_image_pixels: int = Field(default=Image.MAX_IMAGE_PIXELS, ge=1)
     queue_size: int = Field(default=8, ge=0)
     api_key: Annotated[SecretStr | None, BeforeValidator(blank_to_none)] = None  # empty: no key
     retry_after_s: int = Field(default=2, ge=0)

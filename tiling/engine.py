@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tiling.accumulate import SlabAccumulator
 from tiling.errors import GridError, ShapeMismatchError
 from tiling.geometry import PaddingMode, parse_enum
 from tiling.grid import Tile, TileGrid
 from tiling.io import read_region
+from tiling.merge import Reducer, make_merger
 from tiling.sink import Sink
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["tiled_inference"]
 
 Predictor = Callable[[torch.Tensor], Any]
-Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def tiled_inference(
@@ -42,6 +41,8 @@ def tiled_inference(
     out: Any = None,
     reduce: Reducer | None = None,
     progress: bool = False,
+    *,
+    fixed_tile_shape: bool = False,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
 
@@ -73,6 +74,12 @@ def tiled_inference(
         reduce: maps each finalized region ``(C_out, *region)`` (float32 torch) to
             ``(C_red, *region)`` before it is written, e.g. argmax to uint8 labels.
         progress: show a tqdm progress bar over tiles.
+        fixed_tile_shape: feed every tile at exactly ``tile_shape`` (the last one shifted back to the
+            image edge), for engines compiled for one input shape (TensorRT). By default tiles are
+            sized to the grid: the same number of tiles, each the smallest multiple of ``alignment``
+            that still covers the image, origins spread evenly (see :mod:`tiling.grid`), so fewer
+            voxels go through the network. Either way tiles exceed the image only when
+            ``tile_shape`` does, and then shrink to the (aligned) image.
 
     Returns:
         ``(C_out or C_red, *ceil(spatial * scale))`` of the input's array type (numpy for numpy,
@@ -90,20 +97,12 @@ def tiled_inference(
     is_torch = isinstance(inputs, torch.Tensor)
     shape = tuple(int(s) for s in inputs.shape)
     lead = 2 if is_torch else 1
-    if len(shape) < lead + 1:
-        expected = "(N, C, *spatial)" if is_torch else "(C, *spatial)"
-        raise ShapeMismatchError(
-            f"inputs of shape {shape} has {len(shape)} dimensions; expected {expected} with at "
-            "least one spatial axis"
-        )
-    layout = "(N, C, *spatial)" if is_torch else "(C, *spatial)"
-    try:
-        grid = TileGrid.plan(
-            shape[lead:], tile_shape, halo, overlap=overlap, alignment=alignment, scale=scale,
-            border=border, blend=blend,
-        )  # fmt: skip
-    except GridError as exc:  # name the received shape: a missing C axis shows up as an axis count
-        raise GridError(f"{exc} (inputs of shape {shape}, read as {layout})") from exc
+    _check_layout(shape, is_torch, tile_shape=tile_shape, halo=halo, overlap=overlap, alignment=alignment,
+                  scale=scale)  # fmt: skip
+    grid = TileGrid.plan(
+        shape[lead:], tile_shape, halo, overlap=overlap, alignment=alignment, scale=scale,
+        border=border, blend=blend, fixed_tile_shape=fixed_tile_shape,
+    )  # fmt: skip
     logger.info("tiled inference plan: %s", grid.summary())
     run_device = torch.device(device) if device is not None else (
         inputs.device if is_torch else torch.device("cpu")
@@ -128,6 +127,29 @@ def tiled_inference(
         bar.close()
 
 
+def _check_layout(shape: tuple[int, ...], is_torch: bool, **per_axis: object) -> None:
+    """Check the input's rank and the axis count of every per-axis parameter, naming the shape.
+
+    Raises:
+        ShapeMismatchError: fewer dimensions than the layout needs.
+        GridError: a per-axis tuple whose length differs from the input's spatial axis count.
+    """
+    layout = "(N, C, *spatial) (a torch tensor)" if is_torch else "(C, *spatial) (numpy or array-like)"
+    lead = 2 if is_torch else 1
+    if len(shape) < lead + 1:
+        raise ShapeMismatchError(
+            f"inputs of shape {shape} has {len(shape)} dimensions; expected {layout} with at "
+            "least one spatial axis"
+        )
+    ndim = len(shape) - lead
+    for name, value in per_axis.items():
+        if isinstance(value, Sequence) and not isinstance(value, str) and len(value) != ndim:
+            raise GridError(
+                f"{name}={tuple(value)} has {len(value)} axes but the input has {ndim} spatial axes: "
+                f"inputs of shape {shape} is read as {layout}, spatial shape {shape[lead:]}"
+            )
+
+
 def _run_one(
     source: Any,
     grid: TileGrid,
@@ -141,12 +163,7 @@ def _run_one(
     bar: Any,
 ) -> None:
     tiles = list(grid.tiles())
-    weights = _weights(grid, acc_device)
-    acc: SlabAccumulator | None = None
-    rows_left: dict[int, int] = {}
-    for t in tiles:
-        rows_left[t.index[0]] = rows_left.get(t.index[0], 0) + 1
-    axis0 = grid.axes[0]
+    merger = make_merger(grid, sink, reduce, acc_device)
     pin = run_device.type == "cuda" and not (isinstance(source, torch.Tensor) and source.is_cuda)
     c_out: int | None = None
     for b in range(0, len(tiles), batch_size):
@@ -162,24 +179,9 @@ def _run_one(
         pred = pred.to(acc_device, torch.float32)
         logger.debug("batch %d: %d tiles -> %s", b // batch_size, len(batch_tiles), tuple(pred.shape))
         for k, t in enumerate(batch_tiles):
-            values = pred[k][(slice(None), *t.crop)]
-            if not grid.blended:
-                sink.write(t.write, _reduce(values, reduce))
-            else:
-                if acc is None:
-                    acc = SlabAccumulator(c_out, grid.out_shape, [a.coverage for a in grid.axes],
-                                          acc_device)  # fmt: skip
-                acc.add(t.write, values, _tile_weight(weights, t))
-                row = t.index[0]
-                rows_left[row] -= 1
-                if rows_left[row] == 0 and row + 1 < axis0.n_tiles:
-                    # No local name keeps the released slab alive while the next one is allocated.
-                    _write_slab(sink, *acc.release(axis0.writes[row + 1][0]), reduce)
-                    sink.flush()
+            merger.add(t, pred[k][(slice(None), *t.crop)])
         bar.update(len(batch_tiles))
-    if acc is not None:
-        _write_slab(sink, *acc.finalize(), reduce)
-    sink.flush()
+    merger.finish()
 
 
 def _read(source: Any, grid: TileGrid, tile: Tile, pad_mode: PaddingMode) -> torch.Tensor:
@@ -207,34 +209,3 @@ def _check_output(pred: Any, n: int, grid: TileGrid, c_out: int | None) -> torch
             f"for input tiles of shape {(n, '*', *grid.used_tile_shape)}"
         )
     return pred
-
-
-def _weights(grid: TileGrid, device: torch.device) -> list[tuple[torch.Tensor, ...] | None]:
-    return [
-        None if a.weights is None else tuple(torch.from_numpy(w).to(device) for w in a.weights)
-        for a in grid.axes
-    ]
-
-
-def _tile_weight(weights: list[tuple[torch.Tensor, ...] | None], tile: Tile) -> torch.Tensor | None:
-    total: torch.Tensor | None = None
-    ndim = len(weights)
-    for axis, (w, i) in enumerate(zip(weights, tile.index, strict=True)):
-        if w is None:
-            continue
-        shape = [1] * ndim
-        shape[axis] = w[i].shape[0]
-        vec = w[i].reshape(shape)
-        total = vec if total is None else total * vec
-    return total
-
-
-def _reduce(values: torch.Tensor, reduce: Reducer | None) -> torch.Tensor:
-    return values if reduce is None else reduce(values)
-
-
-def _write_slab(sink: Sink, lo: int, region: torch.Tensor, reduce: Reducer | None) -> None:
-    if region.shape[1] == 0:
-        return
-    write = (slice(lo, lo + region.shape[1]),) + tuple(slice(None) for _ in region.shape[2:])
-    sink.write(write, _reduce(region, reduce))

@@ -1,12 +1,15 @@
 """``tilewise batch``: run every image or volume of a folder through a tilewise server.
 
 The output tree mirrors the input tree, each output with the suffix of its format
-(``a/b/scan.nii.gz`` -> ``a/b/scan.nii.gz``, ``x/page.jpg`` -> ``x/page.tiff`` or ``.png``). Each
-output appears under its final name only when complete; a re-run skips outputs that exist. At the
-end a summary goes to stdout and ``OUTPUT_DIR/tilewise-report.json`` lists every input.
+(``a/b/scan.nii.gz`` -> ``a/b/scan.nii.gz``, ``x/page.jpg`` -> ``x/page.tiff`` or ``.png``), never
+outside OUTPUT_DIR. Symlinks are followed only when their target stays inside INPUT_DIR. Each
+output appears under its final name only when complete, and is recorded (size, SHA-256) in
+``OUTPUT_DIR/tilewise-manifest.jsonl``; a re-run skips inputs whose record verifies. At the end a
+summary goes to stdout and ``OUTPUT_DIR/tilewise-report.json`` lists every input. Ctrl-C once:
+finish the files in flight; twice: abort them.
 
 Exit status: 0 when no file failed, 1 when some did, 2 when the run could not start (bad
-arguments, unknown model, wrong API key), 130 when interrupted.
+arguments, unknown model, wrong API key, OUTPUT_DIR not writable), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ def register(sub: Any) -> None:
         action="store_true",
         help="walk subfolders (implied by a pattern with '/' or '**')",
     )
-    sel.add_argument("--overwrite", action="store_true", help="redo outputs that already exist")
+    sel.add_argument(
+        "--overwrite", action="store_true", help="redo every output, even those the manifest verifies"
+    )
     sel.add_argument(
         "--progress",
         choices=("auto", "bar", "log"),

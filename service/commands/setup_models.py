@@ -1,4 +1,4 @@
-"""``tilewise setup-models``: put the ``text-det-2d`` ONNX file and its spec in the model folder."""
+"""``tilewise setup-models``: put the text-det-2d and brain-mask-3d files and specs in the model folder."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ def register(subparsers: Any) -> None:
     """Add the ``setup-models`` parser."""
     parser = subparsers.add_parser(
         "setup-models",
-        help="extract the text-det-2d ONNX model from its wheel into the model folder",
+        help="extract the text-det-2d and brain-mask-3d models from their wheels into the model folder",
         description=(
             "Extract only rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx from the "
-            "rapidocr-onnxruntime==1.4.4 wheel (pip download --no-deps unless --wheel is given), "
-            "verify its SHA-256 and write text-det-2d.yaml next to it."
+            "rapidocr-onnxruntime==1.4.4 wheel and only data/models/model.pt from the deepbet==1.0.2 "
+            "wheel (pip download --no-deps unless --wheel / --deepbet-wheel is given), verify their "
+            "SHA-256 and write text-det-2d.yaml and brain-mask-3d.yaml next to them."
         ),
     )
     parser.add_argument(
@@ -30,19 +31,30 @@ def register(subparsers: Any) -> None:
         help="model folder (default: $TILEWISE_MODELS_DIR, else ~/.cache/tilewise/models)",
     )
     parser.add_argument("--wheel", type=Path, default=None, help="a local rapidocr_onnxruntime-1.4.4 wheel")
+    parser.add_argument("--deepbet-wheel", type=Path, default=None, help="a local deepbet-1.0.2 wheel")
     parser.add_argument("--force", action="store_true", help="extract again even if a verified file exists")
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from models import DEFAULT_MODELS_DIR, ModelError
-    from models.textdet import setup_text_det
+    from models.brainmask import BRAIN_MASK_NAME, setup_brain_mask
+    from models.textdet import TEXT_DET_NAME, setup_text_det
 
-    models_dir = args.models or Path(os.environ.get("TILEWISE_MODELS_DIR") or DEFAULT_MODELS_DIR)
-    try:
-        spec_path = setup_text_det(models_dir.expanduser(), wheel=args.wheel, force=args.force)
-    except ModelError as exc:
-        logger.error("setup-models failed: %s", exc)
-        return 1
-    sys.stdout.write(f"text-det-2d ready: {spec_path}\n")
-    return 0
+    models_dir = (
+        args.models or Path(os.environ.get("TILEWISE_MODELS_DIR") or DEFAULT_MODELS_DIR)
+    ).expanduser()
+    steps = (
+        (TEXT_DET_NAME, setup_text_det, args.wheel),
+        (BRAIN_MASK_NAME, setup_brain_mask, args.deepbet_wheel),
+    )
+    status = 0
+    for name, setup, wheel in steps:
+        try:
+            spec_path = setup(models_dir, wheel=wheel, force=args.force)
+        except ModelError as exc:
+            logger.error("setup-models failed for %s: %s", name, exc)
+            status = 1
+            continue
+        sys.stdout.write(f"{name} ready: {spec_path}\n")
+    return status

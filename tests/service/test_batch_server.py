@@ -224,6 +224,7 @@ def test_batch_real_folder_matches_infer_reports_and_resumes(
             "scans/xray/rg1_uncr.tiff",
             "study1/mni152_t1.nii.gz",
             "study1/sub/anatomical.nii.gz",
+            "tilewise-manifest.jsonl",  # what was completed, verified on resume
             "tilewise-report.json",
         ]
     )
@@ -280,7 +281,7 @@ def test_batch_survives_a_server_restart_without_partial_outputs(tmp_path: Path)
         while not stop.is_set():
             for path in out.rglob("*") if out.exists() else ():
                 rel = str(path.relative_to(out))
-                if path.name.startswith(".") or rel in checked or rel == "tilewise-report.json":
+                if path.name.startswith(".") or rel in checked or rel.startswith("tilewise-"):
                     continue
                 if not path.is_file():
                     continue

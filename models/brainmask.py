@@ -1,0 +1,386 @@
+"""``brain-mask-3d``: deepbet 1.0.2's brain-extraction network (MIT), taken from its wheel.
+
+Only ``data/models/model.pt`` of ``deepbet-1.0.2-py3-none-any.whl`` is extracted (a TorchScript
+LinkNet3d: 2.1 M parameters, instance norm after every convolution, total stride 32, softmax over
+2 channels inside the graph, channel 1 = brain). The wheel's dependencies are not ours and are
+never installed. The file is verified against :data:`BRAIN_MASK_SHA256` and written with a spec
+YAML next to it in the model folder, as ``text-det-2d`` is (:mod:`models.textdet`).
+
+What deepbet does (``deepbet/bet.py`` and ``deepbet/utils.py`` of the wheel):
+
+1. ``nib.as_closest_canonical`` (RAS array axes, no interpolation); a 4-D file gives its first
+   volume; ``nan_to_num`` (bet.py 42-43, 59).
+2. A second network (``bbox_model.pt``) segments the whole volume resized to 128^3
+   (``nearest-exact``); the 0.5 / 99.5 % quantiles of that 128^3 copy are the intensity window
+   (bet.py 61-64). Its largest component gives the brain's bounding box (planes whose brain
+   fraction exceeds 2 %), widened by 10 % of its size on each side and clipped to the volume
+   (bet.py 65-67, 79-95).
+3. That box is resized to 256^3 (``nearest-exact``, anisotropic: no fixed spacing) and
+   normalized: clip to the window scaled to [0, 1], z-score over the box, then ``0.226 * z +
+   0.449`` (bet.py 68-70, utils.py 35-39). One forward pass of the whole 256^3 cube.
+4. Channel 1 is resized back into the box (``nearest-exact``), zero outside, thresholded at 0.5,
+   then the largest connected component is kept and voids filled inside the box; optional
+   dilation, none by default (bet.py 44-46, 71, 74-77).
+
+The network has learnt where a brain lies in that frame: given a wider field of view it calls
+background "brain" (the MNI152 T1 whole at 1 mm: Dice 0.73 against nilearn's mask; in its frame:
+0.98), and tiles much smaller than the frame see a brain in each tile (128^3 tiles of the 256^3
+frame: Dice 0.77 against the whole pass). Hence the frame here (:func:`to_frame`), and the
+default of one 256^3 tile (see ``benchmarks/BRAINMASK.md`` for the measurements).
+
+Geometry this module does in numpy/torch until the spec carries it: reorientation to RAS, and the
+brain frame: the box is found without deepbet's second network, as the planes whose foreground
+fraction (above 10 % of the 0.5-99.5 % intensity range) exceeds 2 %, widened by 10 % per side and
+resized to 256^3 ``nearest-exact``. For a skull-stripped volume (the MNI152 template) that is
+deepbet's box; for a whole head it is the head's box, a wider frame than deepbet's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from models.errors import ChecksumMismatchError, InputError, WeightsError
+from models.spec import ModelSpec, spec_from_mapping
+from models.weights import sha256_file
+
+if TYPE_CHECKING:
+    from models.options import InferenceOptions
+    from models.repository import Model
+
+__all__ = [
+    "BOX_MARGIN",
+    "BRAIN_MASK_FILE",
+    "BRAIN_MASK_NAME",
+    "BRAIN_MASK_SHA256",
+    "FRAME_SHAPE",
+    "SECOND_WAVE_FIELDS",
+    "WHEEL_MEMBER",
+    "WHEEL_REQUIREMENT",
+    "BrainFrame",
+    "brain_box",
+    "brain_mask",
+    "brain_mask_mapping",
+    "brain_mask_spec",
+    "from_frame",
+    "setup_brain_mask",
+    "to_frame",
+]
+
+logger = logging.getLogger(__name__)
+
+BRAIN_MASK_NAME = "brain-mask-3d"
+BRAIN_MASK_FILE = "deepbet-1.0.2-model.pt"
+WHEEL_REQUIREMENT = "deepbet==1.0.2"
+WHEEL_MEMBER = "data/models/model.pt"
+#: SHA-256 of ``data/models/model.pt`` inside deepbet-1.0.2-py3-none-any.whl (8,698,000 bytes).
+BRAIN_MASK_SHA256 = "de8ee7c69654d0dd3935dc4a5d84571d8ecf4637a6bfc01df399c4c2bc86e0fd"
+#: The network's input: the brain's box resized to this shape (deepbet's ``shape``).
+FRAME_SHAPE = (256, 256, 256)
+#: Fraction of the box size added on each side (deepbet's ``bbox_margin``).
+BOX_MARGIN = 0.1
+#: A plane belongs to the box when more than this fraction of it is foreground (deepbet's
+#: ``get_bbox`` threshold).
+PLANE_FRACTION = 0.02
+#: Foreground: above this fraction of the 0.5-99.5 % intensity range.
+FOREGROUND_LEVEL = 0.1
+#: ``normalize`` step equal to deepbet's ``0.226 * z + 0.449`` (``(z - mean) / std``).
+_AFFINE_MEAN = -0.449 / 0.226
+_AFFINE_STD = 1.0 / 0.226
+#: Spec fields of the second wave (DESIGN.md), not in the schema yet: merge them into
+#: :func:`brain_mask_mapping` once ``models/spec.py`` accepts them. ``spacing`` is absent on
+#: purpose: deepbet resizes the brain's box to 256^3 whatever the voxel size (see module notes).
+SECOND_WAVE_FIELDS: dict[str, Any] = {
+    "orientation": "RAS",
+    "labels": {0: "background", 1: "brain"},
+}
+
+
+def brain_mask_mapping() -> dict[str, Any]:
+    """The spec of ``brain-mask-3d`` as a YAML-ready mapping (``file`` relative to the folder).
+
+    The preprocessing is deepbet's (utils.py ``normalize``), run on the 256^3 frame: the 0.5 /
+    99.5 % window clipped to [0, 1], z-score, then ``0.226 * z + 0.449``. The network ends in a
+    softmax, so the activation is ``none``; ``labels`` (argmax of 2 channels) is deepbet's
+    ``p > 0.5``. The default plan is one 256^3 tile, the frame itself; a smaller tile must stay
+    near the frame's size (192^3, 8 tiles: Dice 0.99 against the whole pass; 128^3: 0.77).
+    """
+    return {
+        "name": BRAIN_MASK_NAME,
+        "description": (
+            "deepbet 1.0.2 brain extraction (LinkNet3d, MIT), T1-weighted MRI: probability of brain "
+            "per voxel, channel 1. Instance norm: tile-dependent; it expects the brain's box "
+            "(+10 % per side) resized to 256^3 in RAS orientation."
+        ),
+        "backend": "torchscript",
+        "file": BRAIN_MASK_FILE,
+        "sha256": BRAIN_MASK_SHA256,
+        "spatial_dims": 3,
+        "in_channels": 1,
+        "out_channels": 2,
+        "alignment": 32,
+        "scale": 1,
+        "tile_dependent": True,
+        "preprocess": [
+            {"type": "percentile", "lo": 0.5, "hi": 99.5},
+            "zscore",
+            {"type": "normalize", "mean": _AFFINE_MEAN, "std": _AFFINE_STD},
+        ],
+        "output": {"activation": "none", "kind": "labels", "dtype": "float32"},
+        "defaults": {
+            "tile": list(FRAME_SHAPE),
+            "halo": 0,
+            "overlap": 0,
+            "blend": "gaussian",
+            "batch_size": 1,
+            "format": "nii.gz",
+        },
+    }
+
+
+def brain_mask_spec(models_dir: Path) -> ModelSpec:
+    """The ``brain-mask-3d`` spec with its file in ``models_dir``."""
+    return spec_from_mapping(
+        brain_mask_mapping(),
+        source=models_dir / f"{BRAIN_MASK_NAME}.yaml",
+        where=f"built-in {BRAIN_MASK_NAME}",
+    )
+
+
+# --- the brain frame -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BrainFrame:
+    """Where the network's 256^3 input lies in a volume.
+
+    Attributes:
+        shape: the input volume's shape ``(X, Y, Z)`` in its own axis order.
+        ornt: ``nibabel.io_orientation`` of its affine: ``(3, 2)`` array mapping its axes to RAS.
+        box: the brain's box (with margin) in the RAS-reoriented array, one slice per axis.
+    """
+
+    shape: tuple[int, int, int]
+    ornt: npt.NDArray[np.float64]
+    box: tuple[slice, slice, slice]
+
+
+def brain_box(
+    volume: npt.NDArray[np.floating[Any]],
+    *,
+    margin: float = BOX_MARGIN,
+    level: float = FOREGROUND_LEVEL,
+    plane_fraction: float = PLANE_FRACTION,
+) -> tuple[slice, slice, slice]:
+    """The foreground's bounding box, widened by ``margin`` of its size per side and clipped.
+
+    Foreground: voxels above ``lo + level * (hi - lo)`` with ``lo, hi`` the 0.5 and 99.5 %
+    percentiles. An axis keeps the planes whose foreground fraction exceeds ``plane_fraction``;
+    centre and size are rounded as deepbet's ``get_bbox_with_margin`` does.
+
+    Args:
+        volume: ``(X, Y, Z)`` finite intensities.
+
+    Raises:
+        InputError: no plane has enough foreground (a blank volume).
+    """
+    lo, hi = (float(v) for v in np.percentile(volume, [0.5, 99.5]))
+    fg = volume > lo + level * (hi - lo)
+    box = []
+    for axis, length in enumerate(fg.shape):
+        others = tuple(a for a in range(3) if a != axis)
+        planes = np.flatnonzero(fg.mean(axis=others) > plane_fraction)
+        if planes.size == 0:
+            raise InputError(f"{BRAIN_MASK_NAME}: no foreground to frame (blank volume along axis {axis})")
+        centre = (planes[-1] + 1 + planes[0]) / 2
+        size = (planes[-1] + 1 - planes[0]) * (1 + 2 * margin)
+        centre, size = round(centre), round(size)
+        box.append(slice(max(0, int(centre - size / 2)), min(length, int(centre + size / 2))))
+    return box[0], box[1], box[2]
+
+
+def to_frame(
+    volume: npt.NDArray[Any], affine: npt.NDArray[Any], *, box: tuple[slice, slice, slice] | None = None
+) -> tuple[npt.NDArray[np.float32], BrainFrame]:
+    """Reorient ``volume`` to RAS, crop the brain's box and resize it to 256^3 (``nearest-exact``).
+
+    Args:
+        volume: ``(X, Y, Z)`` intensities (any numeric dtype; NaN and inf are set to finite values).
+        affine: its ``(4, 4)`` voxel-to-world affine.
+        box: the box in the RAS array (default :func:`brain_box`).
+
+    Returns:
+        ``(1, 256, 256, 256)`` float32 (64 MiB), and the frame that :func:`from_frame` inverts.
+
+    Raises:
+        InputError: not a 3-D volume, or a blank one.
+    """
+    import nibabel as nib
+    import torch
+    import torch.nn.functional as F
+
+    if np.ndim(volume) != 3:
+        raise InputError(f"{BRAIN_MASK_NAME}: expected a 3-D volume (X, Y, Z), got shape {np.shape(volume)}")
+    ornt = nib.io_orientation(np.asarray(affine, dtype=np.float64))
+    ras = np.nan_to_num(nib.orientations.apply_orientation(np.asarray(volume, dtype=np.float32), ornt))
+    box = brain_box(ras) if box is None else box
+    crop = torch.from_numpy(np.ascontiguousarray(ras[box]))
+    fitted = F.interpolate(crop[None, None], size=FRAME_SHAPE, mode="nearest-exact")[0]
+    shape = tuple(int(s) for s in np.shape(volume))
+    return fitted.numpy(), BrainFrame((shape[0], shape[1], shape[2]), ornt, box)
+
+
+def from_frame(
+    values: npt.NDArray[Any], frame: BrainFrame, *, interpolation: str = "linear", fill: float = 0.0
+) -> npt.NDArray[np.float32]:
+    """Map ``(C, 256, 256, 256)`` network outputs back onto the input volume's own grid.
+
+    The box is resized from 256^3 (``linear``: trilinear, for probabilities, then thresholded
+    by the caller; ``nearest``: deepbet's ``nearest-exact``), voxels outside the box get
+    ``fill``, and the axes return to the input's orientation. Peak memory: the output
+    ``(C, X, Y, Z)`` float32 plus one resized copy of the box.
+
+    Returns:
+        ``(C, *frame.shape)`` float32.
+    """
+    import nibabel as nib
+    import torch
+    import torch.nn.functional as F
+
+    if interpolation not in ("linear", "nearest"):
+        raise InputError(f"interpolation={interpolation!r} must be 'linear' or 'nearest'")
+    ras_shape = tuple(frame.shape[int(np.flatnonzero(frame.ornt[:, 0] == k)[0])] for k in range(3))
+    box_shape = tuple(s.stop - s.start for s in frame.box)
+    src = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))[None]
+    if interpolation == "linear":
+        inside = F.interpolate(src, size=box_shape, mode="trilinear", align_corners=False)[0]
+    else:
+        inside = F.interpolate(src, size=box_shape, mode="nearest-exact")[0]
+    out = np.full((values.shape[0], *ras_shape), fill, dtype=np.float32)
+    out[(slice(None), *frame.box)] = inside.numpy()
+    back = nib.orientations.ornt_transform(np.array([[0, 1], [1, 1], [2, 1]]), frame.ornt)
+    return np.stack([nib.orientations.apply_orientation(c, back) for c in out]).astype(np.float32, copy=False)
+
+
+def brain_mask(
+    model: Model,
+    volume: npt.NDArray[Any],
+    affine: npt.NDArray[Any],
+    options: InferenceOptions | None = None,
+    *,
+    interpolation: str = "linear",
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
+    """Brain mask and brain probability of a T1-weighted volume, on the volume's own grid.
+
+    Runs ``model`` (``brain-mask-3d``) with ``options`` (default: the spec's plan) on the frame
+    of :func:`to_frame`, maps the brain probability back with :func:`from_frame` and labels
+    ``p > 0.5``.
+
+    Returns:
+        ``(X, Y, Z)`` uint8 mask (1 = brain) and ``(X, Y, Z)`` float32 probability.
+    """
+    from models.options import InferenceOptions
+
+    x, frame = to_frame(volume, affine)
+    opts = options or InferenceOptions()
+    probs = model.run(x, InferenceOptions(**{**_fields(opts), "output": "probabilities"}))
+    brain = from_frame(probs[1:2], frame, interpolation=interpolation)[0]
+    return (brain > 0.5).astype(np.uint8), brain
+
+
+def _fields(options: InferenceOptions) -> dict[str, Any]:
+    return {name: getattr(options, name) for name in options.__dataclass_fields__}
+
+
+# --- setup from the wheel --------------------------------------------------------------------
+
+
+def _download_wheel(dest: Path) -> Path:
+    """``pip download --no-deps deepbet==1.0.2`` into ``dest`` (pip's cache serves repeats)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(dest),
+        WHEEL_REQUIREMENT,
+    ]
+    logger.info("downloading %s: %s", WHEEL_REQUIREMENT, " ".join(cmd))
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        raise WeightsError(
+            f"model {BRAIN_MASK_NAME!r}: cannot download {WHEEL_REQUIREMENT}: {detail}"
+        ) from exc
+    wheels = sorted(dest.glob("deepbet-*.whl"))
+    if not wheels:
+        raise WeightsError(f"model {BRAIN_MASK_NAME!r}: pip download left no wheel in {dest}")
+    return wheels[0]
+
+
+def setup_brain_mask(models_dir: Path, *, wheel: Path | None = None, force: bool = False) -> Path:
+    """Extract deepbet's network from its wheel into ``models_dir`` and write its spec.
+
+    Args:
+        models_dir: the model folder (created if missing).
+        wheel: a local ``deepbet-1.0.2-*.whl``; default: ``pip download`` it into a temporary
+            folder.
+        force: extract again even when a verified file is already there.
+
+    Returns:
+        The path of the spec YAML (``models_dir / "brain-mask-3d.yaml"``).
+
+    Raises:
+        WeightsError: the wheel cannot be downloaded or read, or lacks the member.
+        ChecksumMismatchError: the extracted file's SHA-256 is not :data:`BRAIN_MASK_SHA256`.
+    """
+    import yaml
+
+    models_dir = models_dir.expanduser()
+    models_dir.mkdir(parents=True, exist_ok=True)
+    target = models_dir / BRAIN_MASK_FILE
+    spec_path = models_dir / f"{BRAIN_MASK_NAME}.yaml"
+    if force or not target.is_file() or sha256_file(target) != BRAIN_MASK_SHA256:
+        with tempfile.TemporaryDirectory(prefix="tilewise-wheel-") as tmp:
+            source = wheel.expanduser() if wheel is not None else _download_wheel(Path(tmp))
+            partial = models_dir / f".{BRAIN_MASK_FILE}.part"
+            try:
+                with zipfile.ZipFile(source) as zf, zf.open(WHEEL_MEMBER) as src, partial.open("wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            except (OSError, KeyError, zipfile.BadZipFile) as exc:
+                partial.unlink(missing_ok=True)
+                raise WeightsError(
+                    f"model {BRAIN_MASK_NAME!r}: cannot extract {WHEEL_MEMBER} from {source}: {exc}"
+                ) from exc
+            digest = sha256_file(partial)
+            if digest != BRAIN_MASK_SHA256:
+                partial.unlink(missing_ok=True)
+                raise ChecksumMismatchError(
+                    f"model {BRAIN_MASK_NAME!r}: {WHEEL_MEMBER} from {source} has SHA-256 {digest}, "
+                    f"expected {BRAIN_MASK_SHA256}"
+                )
+            os.replace(partial, target)
+        logger.info("model %s: wrote %s (sha256 %s)", BRAIN_MASK_NAME, target, BRAIN_MASK_SHA256)
+    else:
+        logger.info("model %s: %s already present and verified", BRAIN_MASK_NAME, target)
+    spec_path.write_text(
+        "# Written by `tilewise setup-models`; the TorchScript file is never committed.\n"
+        + yaml.safe_dump(brain_mask_mapping(), sort_keys=False),
+        encoding="utf-8",
+    )
+    return spec_path
