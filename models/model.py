@@ -186,7 +186,7 @@ class Model:
         else:  # tta: the mean of the probabilities over the flipped passes, then the output kind
             total: npt.NDArray[np.float32] | None = None
             for axes in plan.flips:
-                dims = [1 + a for a in axes]
+                dims = tuple(1 + a for a in axes)
                 flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
                 y = self._tiled(flipped, plan, make_reduce(spec.activation, "probabilities"), None, progress)
                 y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
@@ -204,7 +204,8 @@ class Model:
         if out is not None:
             return out
         if labels:
-            return np.asarray(result)[0]
+            first: npt.NDArray[Any] = np.asarray(result)[0]
+            return first
         return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
 
     def _tiled(

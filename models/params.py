@@ -185,33 +185,33 @@ class InferenceParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tile: Annotated[PerAxis | None, _per_axis(1)] = Field(
-        None, description="Tile (network input) per axis, voxels: `128` or `128,128,64`."
+        default=None, description="Tile (network input) per axis, voxels: `128` or `128,128,64`."
     )
     halo: Annotated[PerAxis | Literal["auto"] | None, _per_axis(0, auto=True)] = Field(
-        None, description="Discarded margin per side, voxels, per axis; or `auto` (calibrated)."
+        default=None, description="Discarded margin per side, voxels, per axis; or `auto` (calibrated)."
     )
     halo_tolerance: Annotated[float | None, BeforeValidator(_positive_number)] = Field(
-        None, description="Max truncation error accepted by `halo=auto` (after the activation)."
+        default=None, description="Max truncation error accepted by `halo=auto` (after the activation)."
     )
     overlap: Annotated[PerAxis | None, _per_axis(0)] = Field(
-        None, description="Voxels shared by neighbouring tile cores (blended)."
+        default=None, description="Voxels shared by neighbouring tile cores (blended)."
     )
     blend: Annotated[Blend | None, _choice(Blend)] = Field(
-        None, description="Blend window of overlapping cores."
+        default=None, description="Blend window of overlapping cores."
     )
     batch_size: Annotated[int | None, BeforeValidator(_count)] = Field(
-        None, description="Tiles per forward pass."
+        default=None, description="Tiles per forward pass."
     )
     output: Annotated[OutputKind | None, _choice(OutputKind)] = Field(
-        None, description="Output kind: float32 probabilities or uint8 argmax labels."
+        default=None, description="Output kind: float32 probabilities or uint8 argmax labels."
     )
     format: Annotated[OutputFormat | None, _choice(OutputFormat)] = Field(
-        None,
+        default=None,
         description="Output format. Default: nii.gz for NIfTI input; png for labels and tiff "
         "(float32) for probabilities otherwise.",
     )
     tta: Annotated[Tta, _choice(Tta)] = Field(
-        Tta.NONE,
+        default=Tta.NONE,
         description="Test-time augmentation: `mirror` averages the predictions over flips of every "
         "spatial axis (2**dims tiled passes).",
     )

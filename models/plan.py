@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from models.params import Blend, OutputKind, Tta
 from tiling import TileGrid
-from tiling.plan import work_ratio
 
 __all__ = ["RunPlan"]
 
@@ -65,7 +64,7 @@ class RunPlan:
     @property
     def work(self) -> float:
         """Voxels fed to the network per input voxel (1.0: no overhead; halos and overlap add)."""
-        return work_ratio(self.n_tiles, self.grid.used_tile_shape, self.spatial_shape)
+        return self.grid.work * len(self.flips)
 
     def header(self) -> str:
         """The ``X-Tilewise-Plan`` header value.

@@ -35,7 +35,6 @@ and the field.
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import re
@@ -56,7 +55,8 @@ from pydantic import (
 )
 
 from models.errors import SpecError
-from models.params import InferenceParams, OutputKind, StrEnum, _per_axis
+from models.params import Blend, InferenceParams, OutputKind, StrEnum, _per_axis
+from models.steps import STEP_PARAMS, PreprocessStep, check_params
 
 __all__ = [
     "ANALYTIC_PARAMS",
@@ -67,6 +67,7 @@ __all__ = [
     "OutputSpec",
     "Precision",
     "PreprocessStep",
+    "STEP_PARAMS",
     "load_spec",
     "spec_from_mapping",
 ]
@@ -106,77 +107,13 @@ class Precision(StrEnum):
     BF16 = "bf16"
 
 
-_Number = (int, float)
-#: Preprocessing step types and their parameters (name -> accepted types); all are required.
-STEP_PARAMS: dict[str, dict[str, tuple[type, ...]]] = {
-    "grey_to_rgb": {},
-    "rgb_to_grey": {},
-    "rgb_to_bgr": {},
-    "unit_range": {},
-    "ct_window": {"lo": _Number, "hi": _Number},
-    "zscore": {},
-    "percentile": {"lo": _Number, "hi": _Number},
-    "normalize": {"mean": (*_Number, list), "std": (*_Number, list)},
-}
 #: Parameters of ``backend: analytic`` models and their types (``sigma``, ``truncate`` in voxels).
-ANALYTIC_PARAMS: dict[str, tuple[type, ...]] = {"kind": (str,), "sigma": _Number, "truncate": _Number}
+ANALYTIC_PARAMS: dict[str, tuple[type, ...]] = {
+    "kind": (str,),
+    "sigma": (int, float),
+    "truncate": (int, float),
+}
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
-
-
-def _type_names(types: tuple[type, ...]) -> str:
-    return " or ".join(t.__name__ for t in types)
-
-
-def _check_params(where: str, values: Mapping[str, Any], allowed: Mapping[str, tuple[type, ...]]) -> None:
-    """Unknown names and wrong types of a parameter mapping (``where``: its field path)."""
-    for key in values:
-        if key not in allowed:
-            hint = difflib.get_close_matches(str(key), list(allowed), n=1)
-            also = f"; did you mean {hint[0]!r}?" if hint else ""
-            raise ValueError(f"field '{where}.{key}' is unknown{also} (allowed: {', '.join(allowed)})")
-    for key, types in allowed.items():
-        value = values.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
-            raise ValueError(
-                f"field '{where}.{key}' must be {_type_names(types)}, got {type(value).__name__} {value!r}"
-            )
-
-
-class PreprocessStep(BaseModel):
-    """One preprocessing step: ``kind`` from :data:`STEP_PARAMS` and its parameters.
-
-    In a spec: a step name (``zscore``) or a mapping with ``type`` and the parameters.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: str
-    params: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_spec(cls, raw: Any) -> Any:
-        if isinstance(raw, str):
-            raw = {"type": raw}
-        if isinstance(raw, Mapping) and "type" in raw:
-            kind = raw["type"]
-            params = {k: v for k, v in raw.items() if k != "type"}
-        elif isinstance(raw, Mapping) and "kind" in raw:
-            kind, params = raw["kind"], dict(raw.get("params") or {})
-        else:
-            raise ValueError(f"must be a step name or a mapping with 'type', got {raw!r}")
-        if kind not in STEP_PARAMS:
-            raise ValueError(f"has unknown type {kind!r} (known: {', '.join(STEP_PARAMS)})")
-        allowed = STEP_PARAMS[kind]
-        for key in allowed:
-            if key not in params:
-                raise ValueError(f"needs '{key}': field '{key}' is required for {kind}")
-        _check_params(str(kind), params, allowed)
-        return {"kind": kind, "params": params}
-
-    def to_spec(self) -> str | dict[str, Any]:
-        """The spec-file form of the step."""
-        return {"type": self.kind, **self.params} if self.params else self.kind
 
 
 class OutputSpec(BaseModel):
@@ -232,7 +169,7 @@ class ModelSpec(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     alignment: Positive = 1
     scale: Positive = 1
-    receptive_field: Annotated[tuple[int, ...] | int | None, _per_axis(0)] = None
+    receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
     tile_dependent: StrictBool = False
     global_pooling: StrictBool = False
     precision: Precision = Precision.FP32
@@ -252,6 +189,9 @@ class ModelSpec(BaseModel):
             for key in ("defaults", "output", "params"):  # ``key:`` with no value: the defaults
                 if key in raw and raw[key] is None:
                     del raw[key]
+            rf, dims = raw.get("receptive_field"), raw.get("spatial_dims")
+            if isinstance(rf, int) and not isinstance(rf, bool) and isinstance(dims, int):
+                raw["receptive_field"] = [rf] * dims  # one radius for every axis
         return raw
 
     @model_validator(mode="after")
@@ -262,14 +202,14 @@ class ModelSpec(BaseModel):
         if self.backend == Backend.EAGER and self.architecture is None:
             raise ValueError("field 'architecture' is required for backend 'eager'")
         if self.backend == Backend.ANALYTIC:
-            _check_params("params", self.params, ANALYTIC_PARAMS)
+            check_params("params", self.params, ANALYTIC_PARAMS)
         filled = self.defaults.merged(
             InferenceParams(
                 tile=256 if ndim < 3 else 96,
                 halo=0,
                 halo_tolerance=1e-4,
                 overlap=0,
-                blend="constant",
+                blend=Blend.CONSTANT,
                 batch_size=1,
                 output=self.output.kind,
             )

@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from service._deps import check_onnxruntime_distributions
+from service._distributions import check_onnxruntime_distributions
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ pytest.importorskip("nilearn")  # the benchmark volume is nilearn's MNI152 templ
 pytest.importorskip("scipy")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_quick_benchmark_runs_and_reports_sane_fields(tmp_path: Path) -> None:
     out = tmp_path / "out"

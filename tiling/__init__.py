@@ -20,7 +20,6 @@ from tiling.plan import (
     context_halo,
     fits_one_tile,
     round_up,
-    work_ratio,
 )
 from tiling.windows import pad_to_fit, sample_windows, sliding_windows
 
@@ -46,5 +45,4 @@ __all__ = [
     "sample_windows",
     "sliding_windows",
     "tiled_inference",
-    "work_ratio",
 ]

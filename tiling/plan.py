@@ -11,7 +11,6 @@ Used by :mod:`models` to turn a requested or calibrated halo into one that ``Til
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 __all__ = [
@@ -21,7 +20,6 @@ __all__ = [
     "context_halo",
     "fits_one_tile",
     "round_up",
-    "work_ratio",
 ]
 
 
@@ -88,12 +86,3 @@ def context_halo(halo: Sequence[int], radius: Sequence[int], tile_shape: Sequenc
     return tuple(
         max(int(h), min(int(r), int(t) // 2 - 1)) for h, r, t in zip(halo, radius, tile_shape, strict=True)
     )
-
-
-def work_ratio(n_tiles: int, tile_shape: Sequence[int], spatial_shape: Sequence[int]) -> float:
-    """Voxels fed to the network per input voxel: ``n_tiles * prod(tile) / prod(spatial)``.
-
-    >>> round(work_ratio(27, (96, 96, 96), (256, 256, 256)), 2)
-    1.42
-    """
-    return n_tiles * math.prod(int(t) for t in tile_shape) / max(1, math.prod(int(s) for s in spatial_shape))

@@ -157,9 +157,8 @@ def test_plan_resolves_once_per_request() -> None:
     plan = model.plan((100, 100, 100))  # defaults: tile 64, halo 8
     assert plan.tile == (64, 64, 64) and plan.halo == (8, 8, 8) and plan.overlap == (0, 0, 0)
     assert plan.n_tiles == 8 and plan.grid.grid_shape == (2, 2, 2) and plan.halo_source == "given"
-    assert (
-        plan.header() == "tile=64,64,64; halo=8,8,8; overlap=0,0,0; tiles=8; work=2.10"
-    )  # 8 * 64**3 / 100**3
+    # the grid sizes its tiles to the image: 2 per axis need 58 voxels (58 - 2 * 8 = 42 of core)
+    assert plan.header() == "tile=58,58,58; halo=8,8,8; overlap=0,0,0; tiles=8; work=1.56"  # 8*58**3/1e6
     with pytest.raises(GridError, match="halo"):
         model.plan((100, 100, 100), InferenceParams(halo=(1, 2)))
     with pytest.raises(InputError, match="3 spatial axes"):

@@ -162,3 +162,18 @@ def test_tiled_pool_means_with_radius_halo_are_exact(text_det) -> None:
         worst,
     )
     assert worst <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "tile", [pytest.param(None, id="whole-image-means"), pytest.param((64, 64), id="stage-passes")]
+)
+def test_pool_context_translates_onnxruntime_errors(text_det, tile) -> None:
+    """Every onnxruntime call of the global-pooling context goes through the backend's error
+    boundary: a wrong input is an InferenceError naming the model, never onnxruntime's own class."""
+    from models import InferenceError
+
+    grey = np.zeros((1, 128, 128), dtype=np.float32)  # the network takes 3 channels
+    with pytest.raises(InferenceError, match="text-det-2d.*onnxruntime failed to compute") as info:
+        text_det.context.prepare_context(grey, tile=tile, halo=None if tile is None else (8, 8))
+    assert type(info.value.__cause__).__module__.startswith("onnxruntime")
+    text_det.context.clear_context()

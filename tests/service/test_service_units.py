@@ -242,8 +242,9 @@ def test_executor_bounds_its_queue_and_runs_in_order() -> None:
 
         first = executor.submit_future(lambda: job(0))
         deadline = time.monotonic() + 5
-        while executor.depth != 1 or len(executor._jobs) and time.monotonic() < deadline:
+        while (executor.depth != 1 or executor._jobs) and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert executor.depth == 1 and not executor._jobs  # the first job runs, none waits
         queued = [executor.submit_future(lambda i=i: job(i)) for i in (1, 2)]
         assert not executor.has_room()
         with pytest.raises(QueueFullError) as info:
@@ -261,8 +262,10 @@ def test_cancelled_waiting_job_frees_its_slot() -> None:
     executor = DeviceExecutor("cpu", 1)
     try:
         running = executor.submit_future(lambda: gate.wait(10))
-        while executor._running == 0:
+        deadline = time.monotonic() + 5
+        while executor._running == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert executor._running == 1
         waiting = executor.submit_future(lambda: "never")
         assert not executor.has_room()
         assert waiting.cancel()

@@ -37,6 +37,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.slow  # heavy: run with -m slow
+
 SHAPE = (1, 512, 512, 256)
 VOLUME_BYTES = int(np.prod(SHAPE)) * 4  # 256 MiB
 LIMIT = 0.25
