@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
@@ -12,10 +13,10 @@ import torch
 from tqdm.auto import tqdm
 
 from tiling.errors import GridError, ShapeMismatchError
+from tiling.execute import Batch, Staged, TileReader, Transfers
 from tiling.geometry import PaddingMode, parse_enum
-from tiling.grid import Tile, TileGrid
-from tiling.io import read_region
-from tiling.merge import Reducer, make_merger
+from tiling.grid import TileGrid
+from tiling.merge import Merger, Reducer, make_merger
 from tiling.sink import Sink
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def tiled_inference(
     progress: bool = False,
     *,
     fixed_tile_shape: bool = False,
+    prefetch: bool = True,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
 
@@ -80,6 +82,9 @@ def tiled_inference(
             that still covers the image, origins spread evenly (see :mod:`tiling.grid`), so fewer
             voxels go through the network. Either way tiles exceed the image only when
             ``tile_shape`` does, and then shrink to the (aligned) image.
+        prefetch: read and pad the next batch in a background thread while the predictor runs on
+            the current one (default). ``False`` reads each batch just before it is predicted
+            (e.g. to measure what the overlap gains, or for a source that is not thread-safe).
 
     Returns:
         ``(C_out or C_red, *ceil(spatial * scale))`` of the input's array type (numpy for numpy,
@@ -108,19 +113,20 @@ def tiled_inference(
         inputs.device if is_torch else torch.device("cpu")
     )  # fmt: skip
     acc_device = inputs.device if is_torch else torch.device("cpu")
+    transfers = Transfers(run_device, acc_device)
     bar = tqdm(total=grid.n_tiles * (shape[0] if is_torch else 1), disable=not progress, unit="tile",
                desc="tiles")  # fmt: skip
     try:
         if not is_torch:
             sink = Sink(out, grid.out_shape, like="numpy")
-            _run_one(inputs, grid, predictor, pad_mode, int(batch_size), run_device, acc_device, sink,
-                     reduce, bar)  # fmt: skip
+            _run_one(inputs, grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
+                     prefetch, bar)  # fmt: skip
             return sink.result()
         results = []
         for n in range(shape[0]):
             sink = Sink(None if out is None else out[n], grid.out_shape, like="torch", device=acc_device)
-            _run_one(inputs[n], grid, predictor, pad_mode, int(batch_size), run_device, acc_device, sink,
-                     reduce, bar)  # fmt: skip
+            _run_one(inputs[n], grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
+                     prefetch, bar)  # fmt: skip
             results.append(sink.result())
         return out if out is not None else torch.stack(results)
     finally:
@@ -156,38 +162,39 @@ def _run_one(
     predictor: Predictor,
     pad_mode: PaddingMode,
     batch_size: int,
-    run_device: torch.device,
-    acc_device: torch.device,
+    transfers: Transfers,
     sink: Sink,
     reduce: Reducer | None,
+    prefetch: bool,
     bar: Any,
 ) -> None:
-    tiles = list(grid.tiles())
-    merger = make_merger(grid, sink, reduce, acc_device)
-    pin = run_device.type == "cuda" and not (isinstance(source, torch.Tensor) and source.is_cuda)
+    """Stream the tiles of one ``(C, *spatial)`` source through ``predictor`` into ``sink``."""
+    merger = make_merger(grid, sink, reduce, transfers.merge_device)
+    pin = transfers.run_device.type == "cuda"
     c_out: int | None = None
-    for b in range(0, len(tiles), batch_size):
-        batch_tiles = tiles[b : b + batch_size]
-        batch = torch.stack([_read(source, grid, t, pad_mode) for t in batch_tiles])
-        if pin:
-            batch = batch.pin_memory()
-        batch = batch.to(run_device, non_blocking=True)
-        with torch.inference_mode():
-            pred = predictor(batch)
-        pred = _check_output(pred, len(batch_tiles), grid, c_out)
-        c_out = int(pred.shape[1])
-        pred = pred.to(acc_device, torch.float32)
-        logger.debug("batch %d: %d tiles -> %s", b // batch_size, len(batch_tiles), tuple(pred.shape))
-        for k, t in enumerate(batch_tiles):
-            merger.add(t, pred[k][(slice(None), *t.crop)])
-        bar.update(len(batch_tiles))
+    in_flight: deque[tuple[Batch, Staged]] = deque()
+    with TileReader(source, grid, pad_mode, batch_size, pin=pin, prefetch=prefetch) as reader:
+        for b, batch in enumerate(reader):
+            x = transfers.to_device(batch, reader)
+            with torch.inference_mode():
+                pred = predictor(x)
+            pred = _check_output(pred, len(batch.tiles), grid, c_out)
+            c_out = int(pred.shape[1])
+            logger.debug("batch %d: %d tiles -> %s", b, len(batch.tiles), tuple(pred.shape))
+            in_flight.append((batch, transfers.from_device(pred)))
+            while len(in_flight) > transfers.lag:  # on CUDA the next batch is launched first
+                _merge(merger, reader, *in_flight.popleft())
+            bar.update(len(batch.tiles))
+        while in_flight:
+            _merge(merger, reader, *in_flight.popleft())
     merger.finish()
 
 
-def _read(source: Any, grid: TileGrid, tile: Tile, pad_mode: PaddingMode) -> torch.Tensor:
-    starts = [s - a.pad_lo for s, a in zip(tile.starts, grid.axes, strict=True)]
-    stops = [s + a.tile for s, a in zip(starts, grid.axes, strict=True)]
-    return read_region(source, starts, stops, grid.spatial_shape, pad_mode)
+def _merge(merger: Merger, reader: TileReader, batch: Batch, staged: Staged) -> None:
+    values = staged.wait()
+    for k, tile in enumerate(batch.tiles):
+        merger.add(tile, values[k][(slice(None), *tile.crop)])
+    reader.release(batch)  # after merging: the prediction may be a view of the batch
 
 
 def _check_output(pred: Any, n: int, grid: TileGrid, c_out: int | None) -> torch.Tensor:
