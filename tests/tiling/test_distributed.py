@@ -253,6 +253,15 @@ def _never(*args):
         pytest.param({"batch_size": 0}, GridError, r"batch_size=0", id="batch-size"),
         pytest.param({"halo": (1, 2)}, GridError, r"halo=\(1, 2\) has 2 axes", id="halo-axes"),
         pytest.param(
+            {"blocks_from": "read"}, GridError, r"needs a zarr.Array input, not ndarray", id="read-needs-zarr"
+        ),  # fmt: skip
+        pytest.param(
+            {"blocks_from": "neighbours"},
+            GridError,
+            r"blocks_from='neighbours' is not one of",
+            id="blocks-from",
+        ),  # fmt: skip
+        pytest.param(
             {"resources": {"GPU": 1}},
             DistributedError,
             r"need a distributed client",
@@ -302,19 +311,21 @@ def client():
 
 
 @pytest.mark.timeout(180)
-def test_cluster_conv_stack_equals_single_process(client, zarr_mod, tmp_path, rng, record_diff):
+@pytest.mark.parametrize("blocks_from", ["read", "map_overlap"])
+def test_cluster_conv_stack_equals_single_process(client, zarr_mod, tmp_path, rng, record_diff, blocks_from):
     factory = NetFactory(c_in=2, c_out=3, dilations=(1, 2, 1), record_dir=str(tmp_path))
     net = factory.build()
     x = rng.standard_normal((2, 37, 29, 23), dtype=np.float32)
     z = _to_zarr(zarr_mod, tmp_path / "in.zarr", x, 16)
     y = tiled_inference_dask(z, factory, halo=4, tile_shape=16, chunk_shape=12, batch_size=2,
-                             out=tmp_path / "out.zarr", client=client)  # fmt: skip
+                             out=tmp_path / "out.zarr", client=client, blocks_from=blocks_from)  # fmt: skip
     got = y[...]
     want = whole(net, x)
     assert record_diff("dask-cluster-conv", got, want) <= ATOL
     assert record_diff("dask-cluster-conv", got, tiled_inference(x, net, 16, halo=4)) <= ATOL
     labels = tiled_inference_dask(z, factory, halo=4, tile_shape=16, chunk_shape=12, reduce=_labels,
-                                  out=tmp_path / "labels.zarr", client=client)  # fmt: skip
+                                  out=tmp_path / "labels.zarr", client=client,
+                                  blocks_from=blocks_from)  # fmt: skip
     np.testing.assert_array_equal(labels[0], want.argmax(0))
     # 2 runs x 4 * 3 * 2 = 48 block tasks, yet each worker process loaded the model once per run.
     loads = loads_per_process(tmp_path)
