@@ -283,14 +283,17 @@ class _BlockRunner:
         )  # fmt: skip
 
     def probe(self, c_in: int, tile: Sequence[int]) -> tuple[int, str]:
-        """Channels and dtype of the (reduced) output, from one forward pass over a zero tile."""
-        device = torch.device(self.device) if self.device is not None else torch.device("cpu")
-        with torch.inference_mode():
-            pred = self.predictor()(torch.zeros((1, c_in, *tile), dtype=torch.float32, device=device))
-            values = torch.as_tensor(pred)[0].to(torch.float32)
-            if self.reduce is not None:
-                values = self.reduce(values)
-        return int(values.shape[0]), str(values.cpu().numpy().dtype)
+        """Channels and dtype of the (reduced) output, from the engine run over one zero tile.
+
+        Going through :func:`tiling.tiled_inference` checks the predictor's output shape as every
+        block will (``ShapeMismatchError``), before any block task is scheduled.
+        """
+        zeros = np.zeros((c_in, *tile), dtype=np.float32)
+        y = tiled_inference(
+            zeros, self.predictor(), tuple(tile), halo=0, alignment=self.alignment, batch_size=1,
+            device=self.device, reduce=self.reduce,
+        )  # fmt: skip
+        return int(y.shape[0]), str(y.dtype)
 
 
 def tiled_inference_dask(
@@ -345,9 +348,10 @@ def tiled_inference_dask(
             :func:`tiling.tiled_inference`, applied inside each block. ``reduce`` must act voxel
             by voxel (e.g. argmax to uint8 labels).
         scale: must be 1 (outputs are written on the input's chunk grid).
-        out: where the result goes: a folder path for a new zarr array (every worker must be able
-            to write it), or an existing ``zarr.Array`` of shape ``(C_out, *S)``; ``None``: an
-            in-memory zarr array (only without a distributed client).
+        out: where the result goes: a folder path for a new zarr array (created by this process;
+            every worker must be able to write it at the same path), or an existing ``zarr.Array``
+            of shape ``(C_out, *S)``; ``None``: an in-memory zarr array (only without a distributed
+            client, like any in-memory ``out``).
         overwrite: replace an existing array at the ``out`` path (otherwise that is an error).
         client: a ``distributed.Client``; ``None``: the default client if one exists, else Dask's
             local scheduler in this process (the model is then loaded once, here).
@@ -378,8 +382,8 @@ def tiled_inference_dask(
         ShapeMismatchError: an input with no spatial axis, an ``out`` array of the wrong shape, or
             a predictor output that does not fit (raised by the probe).
         TileDependentError: ``tile_dependent=True`` and more than one chunk.
-        DistributedError: ``out=None`` with a distributed client (workers cannot write into this
-            process's memory), or ``resources`` without a client.
+        DistributedError: ``out=None`` or an in-memory zarr ``out`` with a distributed client
+            (workers cannot write into this process's memory), or ``resources`` without a client.
         Exception: whatever ``model_factory`` or the predictor raises, re-raised from the worker.
 
     Notes:
@@ -451,9 +455,10 @@ def tiled_inference_dask(
         client = _default_client()
     if client is None and resources:
         raise DistributedError(f"resources={dict(resources)} need a distributed client")
-    if client is not None and out is None:
+    if client is not None and (out is None or _in_memory(out, zarr)):
+        what = "out=None" if out is None else "out is an in-memory zarr array"
         raise DistributedError(
-            "out=None: with a distributed client the workers write the result, so pass out= a zarr "
+            f"{what}: with a distributed client the workers write the result, so pass out= a zarr "
             "path (or zarr.Array) in a folder every worker can write"
         )
 
@@ -573,6 +578,11 @@ def _as_dask(array: Any, da: Any, zarr: Any, chunks: tuple[tuple[int, ...], ...]
     if isinstance(array, zarr.Array):
         return da.from_zarr(array, chunks=chunks)
     return da.from_array(array, chunks=chunks)
+
+
+def _in_memory(out: Any, zarr: Any) -> bool:
+    memory = getattr(zarr.storage, "MemoryStore", None)
+    return isinstance(out, zarr.Array) and memory is not None and isinstance(out.store, memory)
 
 
 def _blocks_mode(blocks_from: str, array: Any, zarr: Any) -> str:

@@ -285,6 +285,12 @@ def test_shape_errors_and_model_errors(zarr_mod, rng):
     ):
         tiled_inference_dask(x, NetFactory(), halo=4, out=zarr_mod.zeros(shape=(2, 10, 10, 10), dtype="f4"))
 
+    def cropping():
+        return lambda t: t[..., 1:-1]  # a "valid" network: its output is smaller than its input
+
+    with pytest.raises(ShapeMismatchError, match="predictor output has shape"):
+        tiled_inference_dask(x, cropping, halo=1)
+
     def broken():
         raise FileNotFoundError("no weights at /models/x.pt")
 
@@ -300,10 +306,12 @@ def test_shape_errors_and_model_errors(zarr_mod, rng):
 def client():
     # Module scope: starting two worker processes that import torch takes several seconds on this
     # machine; the cluster holds no state between tests beyond what each test checks and cleans.
+    # dashboard_address=":0": the scheduler's HTTP server takes a free port; on the default 8787,
+    # taken by any other cluster on the machine, it warns, and warnings are errors here.
     distributed = pytest.importorskip("distributed")
     pytest.importorskip("zarr")
     with (
-        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
         as cluster,
         distributed.Client(cluster, set_as_default=False) as c,
     ):  # fmt: skip
@@ -390,6 +398,9 @@ def test_cluster_needs_a_shared_out_and_finds_the_current_client(client, rng):
         tiled_inference_dask(x, NetFactory(ndim=2), halo=1, client=client)
     with client.as_current(), pytest.raises(DistributedError, match="pass out= a zarr path"):
         tiled_inference_dask(x, NetFactory(ndim=2), halo=1)
+    zarr = pytest.importorskip("zarr")
+    with pytest.raises(DistributedError, match="out is an in-memory zarr array"):
+        tiled_inference_dask(x, NetFactory(ndim=2), halo=1, client=client, out=zarr.zeros(shape=(3, 8, 8)))
 
 
 @pytest.mark.timeout(180)
@@ -418,7 +429,7 @@ def test_cuda_worker(tmp_path, zarr_mod, rng, record_diff):
     x = rng.standard_normal((1, 64, 48, 40), dtype=np.float32)
     z = _to_zarr(zarr_mod, tmp_path / "in.zarr", x, 32)
     with (
-        distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+        distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
                                  resources={"GPU": 1}) as cluster,
         distributed.Client(cluster, set_as_default=False) as c,
     ):  # fmt: skip
