@@ -1,13 +1,27 @@
-"""One volume across many Dask workers: ``map_overlap`` over a chunked array, one model per worker.
+"""One volume across many Dask workers: overlapping blocks of a chunked array, one model per worker.
 
 Shape symbols: ``C`` input channels, ``C_out`` predictor output channels (``C_red`` after
 ``reduce``), ``S`` spatial axes (array-axis order, e.g. ``D, H, W``).
 
 Flow::
 
-    zarr / dask (C, *S) --chunks from plan_chunks--> map_overlap(depth, boundary="none", trim=True)
-        each block (C, *(chunk + 2 * depth))  --tiled_inference with this worker's predictor-->
-        (C_out, *(chunk + 2 * depth))  --trim depth-->  (C_out, *chunk)  --to_zarr-->  zarr (C_out, *S)
+    zarr / dask (C, *S), chunks from plan_chunks
+      --> blocks (C, *(chunk + depth on each inner side)), boundary="none"
+            zarr input:  each block read straight from the zarr array by its own task ("read")
+            dask input:  dask.array.map_overlap assembles it from neighbouring chunks
+      --> tiled_inference on the worker, with this worker's predictor --> (C_out, *block)
+      --> trim the depth (dask.array.overlap.trim_internal, as map_overlap's trim=True does)
+      --> (C_out, *chunk) --> zarr (C_out, *S) (dask.array.to_zarr / store)
+
+Why two ways to build the blocks. ``map_overlap`` holds, on each worker, every chunk whose
+neighbours are not done yet: in C order that is about two slabs of chunks across the volume, so its
+memory grows with the volume's cross-section (measured with 1 worker, chunk 96, a 2-channel conv
+stack: 28 MiB of Dask-managed data at 192^3, 107 MiB at 384^3). Reading each block with its depth
+from the zarr array makes every task independent: nothing is kept between tasks (0 MiB managed at
+both sizes; the peak is the block and the network's activations), and no slices travel between
+workers. The price is decoding the neighbouring zarr chunks for the thin depth slabs (measured
++30% worker CPU with zarr chunks equal to the plan's). ``blocks_from`` chooses; both give the same
+result.
 
 Why it is exact. ``depth`` is the halo rounded *up* to the network's alignment, and every chunk but
 the last on an axis is a multiple of the alignment, so every block (chunk plus depth, cut at the
@@ -21,8 +35,8 @@ the same guarantee. For translation-equivariant networks the result therefore eq
 single-process :func:`tiling.tiled_inference` and a whole-volume pass to float tolerance.
 
 Tile-dependent networks (instance norm, attention, global pooling) are *refused* when the array has
-more than one chunk: every chunk border would be a seam that no depth removes, and ``map_overlap``'s
-trim keeps each side's output unblended. See :class:`TileDependentError`.
+more than one chunk: every chunk border would be a seam that no depth removes, and the trim keeps
+each side's output unblended. See :class:`TileDependentError`.
 
 Errors (``tiling.errors`` tree, extended here)::
 
@@ -269,14 +283,17 @@ class _BlockRunner:
         )  # fmt: skip
 
     def probe(self, c_in: int, tile: Sequence[int]) -> tuple[int, str]:
-        """Channels and dtype of the (reduced) output, from one forward pass over a zero tile."""
-        device = torch.device(self.device) if self.device is not None else torch.device("cpu")
-        with torch.inference_mode():
-            pred = self.predictor()(torch.zeros((1, c_in, *tile), dtype=torch.float32, device=device))
-            values = torch.as_tensor(pred)[0].to(torch.float32)
-            if self.reduce is not None:
-                values = self.reduce(values)
-        return int(values.shape[0]), str(values.cpu().numpy().dtype)
+        """Channels and dtype of the (reduced) output, from the engine run over one zero tile.
+
+        Going through :func:`tiling.tiled_inference` checks the predictor's output shape as every
+        block will (``ShapeMismatchError``), before any block task is scheduled.
+        """
+        zeros = np.zeros((c_in, *tile), dtype=np.float32)
+        y = tiled_inference(
+            zeros, self.predictor(), tuple(tile), halo=0, alignment=self.alignment, batch_size=1,
+            device=self.device, reduce=self.reduce,
+        )  # fmt: skip
+        return int(y.shape[0]), str(y.dtype)
 
 
 def tiled_inference_dask(
@@ -301,14 +318,16 @@ def tiled_inference_dask(
     resources: Mapping[str, float] | None = None,
     tile_dependent: bool = False,
     keep_loaded: bool = False,
+    blocks_from: str = "auto",
     progress: bool = False,
 ) -> Any:
     """Run a predictor over a chunked ``(C, *S)`` array on a Dask cluster; write a zarr array.
 
     Each chunk plus ``depth`` voxels from each neighbour (``depth`` = ``halo`` rounded up to
-    ``alignment``) goes through :func:`tiling.tiled_inference` on a worker; the depth is trimmed
-    and the chunk written to ``out`` (see the module docstring for why this is exact). The model
-    is built once per worker by a :class:`PredictorPlugin`, not once per task.
+    ``alignment``; none beyond the array border, ``boundary="none"``) goes through
+    :func:`tiling.tiled_inference` on a worker; the depth is trimmed and the chunk written to
+    ``out`` (see the module docstring for why this is exact). The model is built once per worker
+    by a :class:`PredictorPlugin`, not once per task.
 
     Args:
         array: ``(C, *S)`` input: a ``zarr.Array`` (read by the workers: keep it in a folder they
@@ -329,9 +348,10 @@ def tiled_inference_dask(
             :func:`tiling.tiled_inference`, applied inside each block. ``reduce`` must act voxel
             by voxel (e.g. argmax to uint8 labels).
         scale: must be 1 (outputs are written on the input's chunk grid).
-        out: where the result goes: a folder path for a new zarr array (every worker must be able
-            to write it), or an existing ``zarr.Array`` of shape ``(C_out, *S)``; ``None``: an
-            in-memory zarr array (only without a distributed client).
+        out: where the result goes: a folder path for a new zarr array (created by this process;
+            every worker must be able to write it at the same path), or an existing ``zarr.Array``
+            of shape ``(C_out, *S)``; ``None``: an in-memory zarr array (only without a distributed
+            client, like any in-memory ``out``).
         overwrite: replace an existing array at the ``out`` path (otherwise that is an error).
         client: a ``distributed.Client``; ``None``: the default client if one exists, else Dask's
             local scheduler in this process (the model is then loaded once, here).
@@ -342,6 +362,11 @@ def tiled_inference_dask(
         keep_loaded: keep the predictor loaded on the workers after the run (under a name derived
             from ``model_factory``'s Dask token, so a later call with an equal factory reuses it);
             otherwise it is dropped when the run ends.
+        blocks_from: how each block (chunk plus depth) is built: ``"read"`` reads it straight from
+            the zarr input in its own task (memory per worker: one block), ``"map_overlap"``
+            assembles it from neighbouring chunks with ``dask.array.map_overlap`` (memory per
+            worker: about two slabs of chunks across the volume); ``"auto"``: ``"read"`` for a
+            ``zarr.Array``, ``"map_overlap"`` otherwise. See the module docstring.
         progress: show Dask's own progress bar (``distributed.progress`` with a client,
             ``dask.diagnostics.ProgressBar`` without), on stdout.
 
@@ -352,20 +377,24 @@ def tiled_inference_dask(
     Raises:
         ImportError: Dask, ``distributed`` or ``zarr`` is missing.
         GridError: invalid halo, tile, chunk, alignment or blend parameters for this input (checked
-            on the client, before any task runs), or ``scale`` other than 1.
+            on the client, before any task runs), ``scale`` other than 1, or a ``blocks_from``
+            that is unknown or ``"read"`` for an input that is not a ``zarr.Array``.
         ShapeMismatchError: an input with no spatial axis, an ``out`` array of the wrong shape, or
             a predictor output that does not fit (raised by the probe).
         TileDependentError: ``tile_dependent=True`` and more than one chunk.
-        DistributedError: ``out=None`` with a distributed client (workers cannot write into this
-            process's memory), or ``resources`` without a client.
+        DistributedError: ``out=None`` or an in-memory zarr ``out`` with a distributed client
+            (workers cannot write into this process's memory), or ``resources`` without a client.
         Exception: whatever ``model_factory`` or the predictor raises, re-raised from the worker.
 
     Notes:
-        Per task a worker holds about the block ``C * prod(chunk + 2 * depth) * 4`` bytes, its
-        output ``C_out * prod(chunk + 2 * depth) * 4`` bytes, the input chunks it is assembled
-        from and the predictor's activations for one batch of tiles: memory follows the chunk,
-        not the volume. With ``chunk = 96``, ``depth = 16``, ``C = 1``, ``C_out = 3`` in 3-D a
-        block is 2.7 MiB in and 8.2 MiB out. A worker killed mid-run is handled by Dask: the
+        Per task a worker holds the block, ``C * prod(chunk + 2 * depth) * 4`` bytes, its output,
+        ``C_out * prod(chunk + 2 * depth) * 4`` bytes, and the predictor's activations for one
+        batch of tiles: memory follows the chunk and the tile, not the volume (with
+        ``blocks_from="read"``; see the module docstring for ``map_overlap``). With
+        ``chunk = 96``, ``depth = 16``, ``C = 1``, ``C_out = 3`` in 3-D a block (128^3) is 8 MiB in
+        and 24 MiB out. Activations can dominate: PyTorch's CPU ``Conv3d`` unfolds its input into
+        ``27 * C_in * voxels * 4`` bytes, 216 MB for 2 channels over one 100^3 tile, so on CPU give
+        a ``tile_shape`` rather than one tile per block. A worker killed mid-run is handled by Dask: the
         scheduler re-runs its tasks elsewhere (``distributed.scheduler.allowed-failures`` bounds
         how often one task may take a worker down), and chunks are written whole, so a re-run
         overwrites a partial chunk.
@@ -418,16 +447,18 @@ def tiled_inference_dask(
             "each side of it unblended. Run it in process with tiling.tiled_inference (overlap and a "
             f"blend window smooth its tile borders), or pass chunk_shape >= {spatial} (one chunk)"
         )
-    blocks = [_block_lengths(c, d) for c, d in zip(chunks, depth, strict=True)]
+    blocks = tuple(_block_lengths(c, d) for c, d in zip(chunks, depth, strict=True))
+    how = _blocks_mode(blocks_from, array, zarr)
     _validate_blocks(blocks, tiles, halos, overlaps, aligns, border, blend)
 
     if client is None:
         client = _default_client()
     if client is None and resources:
         raise DistributedError(f"resources={dict(resources)} need a distributed client")
-    if client is not None and out is None:
+    if client is not None and (out is None or _in_memory(out, zarr)):
+        what = "out=None" if out is None else "out is an in-memory zarr array"
         raise DistributedError(
-            "out=None: with a distributed client the workers write the result, so pass out= a zarr "
+            f"{what}: with a distributed client the workers write the result, so pass out= a zarr "
             "path (or zarr.Array) in a folder every worker can write"
         )
 
@@ -458,12 +489,18 @@ def tiled_inference_dask(
             c_out, dtype = client.submit(
                 _probe, runner, c_in, probe_tile, pure=False, resources=dict(resources or {})
             ).result()
-        x = _as_dask(array, da, zarr, ((c_in,), *chunks))
-        out_chunks = ((c_out,), *(_block_lengths(c, d) for c, d in zip(chunks, depth, strict=True)))
-        y = da.map_overlap(
-            runner, x, depth={0: 0, **{a + 1: d for a, d in enumerate(depth)}}, boundary="none",
-            trim=True, chunks=out_chunks, dtype=dtype, meta=np.empty((0,) * (ndim + 1), dtype=dtype),
-        )  # fmt: skip
+        out_chunks = ((c_out,), *blocks)
+        depth_axes = {0: 0, **{a + 1: d for a, d in enumerate(depth)}}
+        meta = np.empty((0,) * (ndim + 1), dtype=dtype)
+        if how == "read":
+            y = _read_blocks(array, da, chunks, depth).map_blocks(
+                runner, chunks=out_chunks, dtype=dtype, meta=meta
+            )
+            y = da.overlap.trim_internal(y, depth_axes, boundary="none")
+        else:
+            x = _as_dask(array, da, zarr, ((c_in,), *chunks))
+            y = da.map_overlap(runner, x, depth=depth_axes, boundary="none", trim=True, chunks=out_chunks,
+                               dtype=dtype, meta=meta)  # fmt: skip
         target, stored = _store(y, out, overwrite, da, zarr, (c_out, *spatial))
         bar = _progress_bar(progress, client)
         if client is None:
@@ -541,6 +578,46 @@ def _as_dask(array: Any, da: Any, zarr: Any, chunks: tuple[tuple[int, ...], ...]
     if isinstance(array, zarr.Array):
         return da.from_zarr(array, chunks=chunks)
     return da.from_array(array, chunks=chunks)
+
+
+def _in_memory(out: Any, zarr: Any) -> bool:
+    memory = getattr(zarr.storage, "MemoryStore", None)
+    return isinstance(out, zarr.Array) and memory is not None and isinstance(out.store, memory)
+
+
+def _blocks_mode(blocks_from: str, array: Any, zarr: Any) -> str:
+    if blocks_from not in ("auto", "read", "map_overlap"):
+        raise GridError(f"blocks_from={blocks_from!r} is not one of ['auto', 'read', 'map_overlap']")
+    is_zarr = isinstance(array, zarr.Array)
+    if blocks_from == "read" and not is_zarr:
+        raise GridError(f"blocks_from='read' needs a zarr.Array input, not {type(array).__name__}")
+    if blocks_from == "auto":
+        return "read" if is_zarr else "map_overlap"
+    return blocks_from
+
+
+def _read_blocks(array: Any, da: Any, chunks: tuple[tuple[int, ...], ...], depth: tuple[int, ...]) -> Any:
+    """A dask array of the overlapped blocks ``(C, *(chunk + depth on inner sides))``, each read
+    straight from ``array`` (a zarr array) by its own task: no task shares input with another."""
+    bounds = []
+    for lengths, d in zip(chunks, depth, strict=True):
+        starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        n = len(lengths)
+        bounds.append(tuple(
+            (starts[i] - (d if i > 0 else 0), starts[i + 1] + (d if i < n - 1 else 0)) for i in range(n)
+        ))  # fmt: skip
+    block_lengths = tuple(tuple(hi - lo for lo, hi in b) for b in bounds)
+    return da.map_blocks(
+        _read_block, chunks=((int(array.shape[0]),), *block_lengths), dtype=array.dtype,
+        meta=np.empty((0,) * array.ndim, dtype=array.dtype), source=array, bounds=tuple(bounds),
+    )  # fmt: skip
+
+
+def _read_block(
+    *, source: Any, bounds: tuple[tuple[tuple[int, int], ...], ...], block_id: tuple[int, ...]
+) -> np.ndarray:
+    index = (slice(None), *(slice(*b[i]) for b, i in zip(bounds, block_id[1:], strict=True)))
+    return np.asarray(source[index])
 
 
 def _block_lengths(chunks: Sequence[int], depth: int) -> tuple[int, ...]:

@@ -253,6 +253,15 @@ def _never(*args):
         pytest.param({"batch_size": 0}, GridError, r"batch_size=0", id="batch-size"),
         pytest.param({"halo": (1, 2)}, GridError, r"halo=\(1, 2\) has 2 axes", id="halo-axes"),
         pytest.param(
+            {"blocks_from": "read"}, GridError, r"needs a zarr.Array input, not ndarray", id="read-needs-zarr"
+        ),  # fmt: skip
+        pytest.param(
+            {"blocks_from": "neighbours"},
+            GridError,
+            r"blocks_from='neighbours' is not one of",
+            id="blocks-from",
+        ),  # fmt: skip
+        pytest.param(
             {"resources": {"GPU": 1}},
             DistributedError,
             r"need a distributed client",
@@ -276,6 +285,12 @@ def test_shape_errors_and_model_errors(zarr_mod, rng):
     ):
         tiled_inference_dask(x, NetFactory(), halo=4, out=zarr_mod.zeros(shape=(2, 10, 10, 10), dtype="f4"))
 
+    def cropping():
+        return lambda t: t[..., 1:-1]  # a "valid" network: its output is smaller than its input
+
+    with pytest.raises(ShapeMismatchError, match="predictor output has shape"):
+        tiled_inference_dask(x, cropping, halo=1)
+
     def broken():
         raise FileNotFoundError("no weights at /models/x.pt")
 
@@ -291,10 +306,12 @@ def test_shape_errors_and_model_errors(zarr_mod, rng):
 def client():
     # Module scope: starting two worker processes that import torch takes several seconds on this
     # machine; the cluster holds no state between tests beyond what each test checks and cleans.
+    # dashboard_address=":0": the scheduler's HTTP server takes a free port; on the default 8787,
+    # taken by any other cluster on the machine, it warns, and warnings are errors here.
     distributed = pytest.importorskip("distributed")
     pytest.importorskip("zarr")
     with (
-        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
         as cluster,
         distributed.Client(cluster, set_as_default=False) as c,
     ):  # fmt: skip
@@ -302,19 +319,21 @@ def client():
 
 
 @pytest.mark.timeout(180)
-def test_cluster_conv_stack_equals_single_process(client, zarr_mod, tmp_path, rng, record_diff):
+@pytest.mark.parametrize("blocks_from", ["read", "map_overlap"])
+def test_cluster_conv_stack_equals_single_process(client, zarr_mod, tmp_path, rng, record_diff, blocks_from):
     factory = NetFactory(c_in=2, c_out=3, dilations=(1, 2, 1), record_dir=str(tmp_path))
     net = factory.build()
     x = rng.standard_normal((2, 37, 29, 23), dtype=np.float32)
     z = _to_zarr(zarr_mod, tmp_path / "in.zarr", x, 16)
     y = tiled_inference_dask(z, factory, halo=4, tile_shape=16, chunk_shape=12, batch_size=2,
-                             out=tmp_path / "out.zarr", client=client)  # fmt: skip
+                             out=tmp_path / "out.zarr", client=client, blocks_from=blocks_from)  # fmt: skip
     got = y[...]
     want = whole(net, x)
     assert record_diff("dask-cluster-conv", got, want) <= ATOL
     assert record_diff("dask-cluster-conv", got, tiled_inference(x, net, 16, halo=4)) <= ATOL
     labels = tiled_inference_dask(z, factory, halo=4, tile_shape=16, chunk_shape=12, reduce=_labels,
-                                  out=tmp_path / "labels.zarr", client=client)  # fmt: skip
+                                  out=tmp_path / "labels.zarr", client=client,
+                                  blocks_from=blocks_from)  # fmt: skip
     np.testing.assert_array_equal(labels[0], want.argmax(0))
     # 2 runs x 4 * 3 * 2 = 48 block tasks, yet each worker process loaded the model once per run.
     loads = loads_per_process(tmp_path)
@@ -379,6 +398,9 @@ def test_cluster_needs_a_shared_out_and_finds_the_current_client(client, rng):
         tiled_inference_dask(x, NetFactory(ndim=2), halo=1, client=client)
     with client.as_current(), pytest.raises(DistributedError, match="pass out= a zarr path"):
         tiled_inference_dask(x, NetFactory(ndim=2), halo=1)
+    zarr = pytest.importorskip("zarr")
+    with pytest.raises(DistributedError, match="out is an in-memory zarr array"):
+        tiled_inference_dask(x, NetFactory(ndim=2), halo=1, client=client, out=zarr.zeros(shape=(3, 8, 8)))
 
 
 @pytest.mark.timeout(180)
@@ -407,7 +429,7 @@ def test_cuda_worker(tmp_path, zarr_mod, rng, record_diff):
     x = rng.standard_normal((1, 64, 48, 40), dtype=np.float32)
     z = _to_zarr(zarr_mod, tmp_path / "in.zarr", x, 32)
     with (
-        distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+        distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
                                  resources={"GPU": 1}) as cluster,
         distributed.Client(cluster, set_as_default=False) as c,
     ):  # fmt: skip
