@@ -56,19 +56,19 @@ from models.spec import ModelSpec, spec_from_mapping
 from models.weights import sha256_file
 
 if TYPE_CHECKING:
-    from models.options import InferenceOptions
-    from models.repository import Model
+    from models.model import Model
+    from models.params import InferenceParams
 
 __all__ = [
     "BOX_MARGIN",
     "BRAIN_MASK_FILE",
     "BRAIN_MASK_NAME",
     "BRAIN_MASK_SHA256",
+    "BrainFrame",
     "FRAME_SHAPE",
     "SECOND_WAVE_FIELDS",
     "WHEEL_MEMBER",
     "WHEEL_REQUIREMENT",
-    "BrainFrame",
     "brain_box",
     "brain_mask",
     "brain_mask_mapping",
@@ -277,7 +277,7 @@ def brain_mask(
     model: Model,
     volume: npt.NDArray[Any],
     affine: npt.NDArray[Any],
-    options: InferenceOptions | None = None,
+    options: InferenceParams | None = None,
     *,
     interpolation: str = "linear",
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
@@ -290,17 +290,13 @@ def brain_mask(
     Returns:
         ``(X, Y, Z)`` uint8 mask (1 = brain) and ``(X, Y, Z)`` float32 probability.
     """
-    from models.options import InferenceOptions
+    from models.params import InferenceParams
 
     x, frame = to_frame(volume, affine)
-    opts = options or InferenceOptions()
-    probs = model.run(x, InferenceOptions(**{**_fields(opts), "output": "probabilities"}))
+    params = InferenceParams(output="probabilities").merged(options or InferenceParams())
+    probs = model.run(x, params)
     brain = from_frame(probs[1:2], frame, interpolation=interpolation)[0]
     return (brain > 0.5).astype(np.uint8), brain
-
-
-def _fields(options: InferenceOptions) -> dict[str, Any]:
-    return {name: getattr(options, name) for name in options.__dataclass_fields__}
 
 
 # --- setup from the wheel --------------------------------------------------------------------

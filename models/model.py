@@ -121,8 +121,9 @@ class Model:
             blend=p.blend.value,
             # A calibrated halo is an estimate from sampled tiles; the fixed-shape plan keeps the
             # margins it was calibrated with (text-det-2d's calibrated halo 61 errs by 0.023 with
-            # tiles sized to the grid).
-            fixed_tile_shape=p.halo == "auto",
+            # tiles sized to the grid). A tile-dependent network (trained on patches) sees the tile
+            # it asked for too (brain-mask-3d: Dice vs whole 0.966 with 160^3 tiles for 192^3).
+            fixed_tile_shape=p.halo == "auto" or spec.tile_dependent,
         )
         plan = RunPlan(
             spec.name, shape, tile, halo, overlap, p.blend, p.batch_size, p.output, source, grid, p.tta
