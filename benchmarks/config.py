@@ -46,6 +46,10 @@ class Mode:
     tile2d: int
     halo2d: int
     cases: tuple[str, ...]
+    prefetch_spacing_mm: float = 1.0  # the prefetch case's MNI152 voxel size
+    prefetch_tile: int = 96
+    prefetch_halo: int = 12
+    prefetch_threads: int = 1  # network threads: on 2 cores, one is left for the reading thread
 
 
 FULL = Mode(
@@ -70,7 +74,7 @@ FULL = Mode(
     tile2d=512,
     halo2d=64,
     # Cases in order of priority (--max-minutes skips what is left when time runs out).
-    cases=("3d", "shallow", "scaling", "service", "sweep", "instance", "2d"),
+    cases=("3d", "shallow", "prefetch", "scaling", "service", "sweep", "instance", "2d"),
 )
 
 
@@ -95,7 +99,10 @@ QUICK = Mode(
     scaling_halo=8,
     tile2d=512,
     halo2d=64,
-    cases=("3d", "shallow", "scaling"),
+    cases=("3d", "shallow", "scaling", "prefetch"),
+    prefetch_spacing_mm=2.5,
+    prefetch_tile=48,
+    prefetch_halo=6,
 )
 
 

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks.nets import Counted
+
+
+class CountingProxy:
+    """Stands in for a model's own predictor and counts its tiles into a :class:`Counted`."""
+
+    def __init__(self, inner: Any, counter: Counted) -> None:
+        self.inner = inner
+        self.counter = counter
+
+    def __call__(self, batch: Any) -> Any:
+        self.counter.items += int(batch.shape[0])
+        self.counter.voxels += int(math.prod(batch.shape[2:])) * int(batch.shape[0])
+        return self.inner(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def pad_to(x: Any, alignment: int) -> tuple[Any, tuple[slice, ...]]:
@@ -104,6 +121,7 @@ def make_runner(
         from models.repository import ModelRepository
 
         model = ModelRepository(job["models_dir"], device="cpu").get(job["model_name"])
+        model.predictor = CountingProxy(model.predictor, predictor)  # the work column counts its tiles
         options = InferenceOptions(
             tile=job.get("model_tile"), halo="auto", halo_tolerance=float(job.get("tolerance", 1e-4))
         )
@@ -144,8 +162,45 @@ def make_runner(
                 alignment=align,
                 batch_size=batch_size,
                 out=out,
+                fixed_tile_shape=bool(job.get("fixed_tile_shape", False)),
+                prefetch=bool(job.get("prefetch", True)),
             )
 
         return run, warm_tile
+
+    if kind == "read-only":  # the engine's reading and padding alone: its tiles, no network
+        from tiling import TileGrid
+        from tiling.execute import TileReader
+        from tiling.geometry import PaddingMode
+
+        grid = TileGrid.plan(data.shape[1:], tile, int(job["halo"]), alignment=align)
+
+        def run() -> Any:
+            with TileReader(data, grid, PaddingMode.CONSTANT, batch_size, prefetch=False) as reader:
+                for batch in reader:
+                    predictor.items += len(batch.tiles)
+                    predictor.voxels += int(batch.data[0, 0].numel()) * len(batch.tiles)
+                    reader.release(batch)
+            return np.zeros((1,) * data.ndim, np.float32)
+
+        return run, lambda: None
+
+    if kind == "network-only":  # the network alone on the same number of tiles of the same shape
+        from tiling import TileGrid
+
+        grid = TileGrid.plan(data.shape[1:], tile, int(job["halo"]), alignment=align)
+        zeros = torch.zeros((batch_size, data.shape[0], *grid.used_tile_shape))
+
+        def run() -> Any:
+            with torch.inference_mode():
+                for b in range(0, grid.n_tiles, batch_size):
+                    y = predictor(zeros[: min(batch_size, grid.n_tiles - b)])
+            return y[0]
+
+        def warm_net() -> None:
+            with torch.inference_mode():
+                predictor(zeros)
+
+        return run, warm_net
 
     raise ValueError(f"unknown contender kind {kind!r}")

@@ -33,6 +33,20 @@ def mni_volume(cache: Path, *, spacing_mm: float | None = None, cube: int | None
     return path
 
 
+def nifti_copy(npy: Path, *, compressed: bool) -> Path:
+    """The ``(1, *spatial)`` volume of ``npy`` as a NIfTI file (``.nii.gz`` when ``compressed``)."""
+    path = npy.with_suffix(".nii.gz" if compressed else ".nii")
+    if path.exists():
+        return path
+    import nibabel as nib
+    import numpy as np
+
+    tmp = path.with_name("tmp-" + path.name)
+    nib.save(nib.Nifti1Image(np.load(npy)[0], np.eye(4)), tmp)
+    tmp.replace(path)
+    return path
+
+
 def radiograph_raw(cache: Path) -> Path:
     """RG1_UNCR.dcm (pydicom-data) as ``(1, H, W)`` float32, inverted (MONOCHROME1) to dark background."""
     path = cache / "rg1_raw.npy"

@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks.config import MB, RESULT_PREFIX, ROOT, Mode
 from benchmarks.env import importable, machine_info, versions
-from benchmarks.report import evaluate_targets, plot_speed_vs_seam, render_markdown
+from benchmarks.report import evaluate_targets, plot_speed_vs_seam, ratios, render_markdown
 from benchmarks.rows import Row
 
 
@@ -207,6 +207,7 @@ class Bench:
             "calibrations": self.calibrations,
             "results": [r.as_dict() for r in self.rows],
             "targets": targets,
+            "ratios": ratios(self.rows),
             "notes": list(dict.fromkeys(self.notes)),
             "total_s": time.perf_counter() - self.started,
         }

@@ -128,6 +128,56 @@ def evaluate_targets(rows: Sequence[Row]) -> list[dict[str, Any]]:
     return out
 
 
+def ratios(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Ratios measured in this run (no thresholds): plan v2 against v1, tilewise against MONAI,
+    prefetch on against off."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, num: Row | None, den: Row | None, key: str = "time_s", detail: str = "") -> None:
+        if num is None or den is None or num.get(key) is None or not den.get(key):
+            return
+        out.append({"ratio": name, "value": round(num.get(key) / den.get(key), 3), "detail": detail})
+
+    ok = [r for r in rows if r.status == "ok"]
+    for case in ("3d-batch", "shallow"):
+        for sized in (r for r in ok if r.case == case and r.contender.startswith("tilewise")):
+            if "fixed tile shape" in sized.contender or (
+                case == "3d-batch" and sized.params.get("tolerance")
+            ):
+                continue
+            same = ("tile", "halo")
+            fixed = next(
+                (r for r in ok if r.case == case and r.params.get("fixed_tile_shape")
+                 and all(r.params.get(k) == sized.params.get(k) for k in same)),
+                None,
+            )  # fmt: skip
+            if fixed is None:
+                continue
+            what = f"{case} {sized.contender}"
+            detail = f"work {fmt(sized.get('work'), '.2f')} vs {fmt(fixed.get('work'), '.2f')}"
+            add(f"{what}: work, sized tiles / fixed tile shape", sized, fixed, "work")
+            add(f"{what}: time, sized tiles / fixed tile shape", sized, fixed, detail=detail)
+    tw = find_row(rows, "3d-batch", "tilewise halo")
+    for mode in ("constant", "gaussian"):
+        mo = find_row(rows, "3d-batch", f"MONAI {mode}")
+        if tw is not None and mo is not None:
+            detail = f"work {fmt(tw.get('work'), '.2f')} vs {fmt(mo.get('work'), '.2f')}"
+            add(f"3d-batch: time, tilewise / MONAI {mode}", tw, mo, detail=detail)
+    add("shallow: time, tilewise (default plan) / whole volume", find_row(rows, "shallow", "tilewise"),
+        find_row(rows, "shallow", "whole"))  # fmt: skip
+    for source in ("npy memmap", "nii.gz"):
+        on = find_row(rows, "prefetch", f"{source}: tilewise prefetch on")
+        off = find_row(rows, "prefetch", f"{source}: tilewise prefetch off")
+        read = find_row(rows, "prefetch", f"{source}: read and pad only")
+        net = find_row(rows, "prefetch", f"{source}: network only")
+        detail = ""
+        if read is not None and net is not None:
+            r, n = read.get("time_s"), net.get("time_s")
+            detail = f"read {r:.2f} s, network {n:.2f} s: ideal overlap {max(r, n) / (r + n):.3f}"
+        add(f"prefetch, {source}: time, on / off", on, off, detail=detail)
+    return out
+
+
 def seam_points(rows: Sequence[Row]) -> list[tuple[str, str, float, float]]:
     """``(tool, label, time_s, max_abs)`` of the U-Net (batch norm) runs for the speed/seam plot."""
     pts = []
@@ -272,6 +322,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {t['target']} | {t['value']} | {t['threshold']} | {'yes' if t['met'] else 'NO'} |"
             )
+        lines.append("")
+    if report.get("ratios"):
+        lines += ["### Ratios (measured in this run)", "", "| ratio | value | detail |", "|---|---:|---|"]
+        lines += [f"| {r['ratio']} | {r['value']} | {r['detail']} |" for r in report["ratios"]]
         lines.append("")
     if report["notes"]:
         lines += ["### Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]

@@ -95,7 +95,31 @@ def load_data(job: dict[str, Any]) -> Any:
 
     if job.get("input") == "disk":
         return np.load(job["data"], mmap_mode="r")
+    if job.get("input") == "nifti":
+        return NiftiSource(job["data"])
     return np.load(job["data"])
+
+
+class NiftiSource:
+    """A ``(1, *spatial)`` view of a NIfTI file's lazy ``dataobj`` (nibabel reads each tile's slice;
+    for ``.nii.gz`` that means decompressing up to it): a source whose reading costs."""
+
+    def __init__(self, path: str) -> None:
+        import nibabel as nib
+
+        self.proxy = nib.load(path).dataobj
+        self.shape = (1, *self.proxy.shape)
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, key: tuple[slice, ...]) -> Any:
+        import numpy as np
+
+        return np.asarray(self.proxy[key[1:]], dtype=np.float32)[None]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        import numpy as np
+
+        return np.asarray(self.proxy, dtype=dtype or np.float32)[None]
 
 
 def worker_calibrate(job: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +189,7 @@ def worker_main(job_path: str) -> int:
         peaks.append(mem.above_base)
         passes.append(predictor.items)
     out = to_numpy(y)
-    counted = job["kind"] != "model-run"  # Model.run calls its own predictor, not the counted one
+    counted = True  # Model.run's own predictor is counted through a proxy (contenders.CountingProxy)
     result: dict[str, Any] = {
         "times_s": times,
         "time_s": statistics.median(times),

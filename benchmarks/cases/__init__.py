@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from benchmarks.cases.images2d import case_2d
+from benchmarks.cases.prefetch import case_prefetch
 from benchmarks.cases.scaling import case_scaling
 from benchmarks.cases.service import case_service
 from benchmarks.cases.shallow import case_shallow
@@ -15,6 +16,7 @@ from benchmarks.harness import Bench
 CASES: dict[str, Callable[[Bench], None]] = {
     "3d": case_3d,
     "shallow": case_shallow,
+    "prefetch": case_prefetch,
     "scaling": case_scaling,
     "service": case_service,
     "sweep": case_sweep,

@@ -68,6 +68,11 @@ def service_case(bench: Bench, m: Mode) -> None:
     )
     if row.status != "ok":
         return
+    from tiling import TileGrid
+
+    # Both rows run the same plan (explicit halo: tiles sized to the grid); its work, from the plan.
+    plan_work = TileGrid.plan(vol.shape, m.tile, m.halo, alignment=UNET_ALIGNMENT).work
+    row.result["work"] = plan_work
     port = _free_port()
     log = open(bench.work / "serve.log", "w")  # noqa: SIM115 - closed in finally
     env = {**bench.env, "TILEWISE_MODELS_DIR": str(models_dir)}
@@ -108,6 +113,7 @@ def service_case(bench: Bench, m: Mode) -> None:
             "time_s": statistics.median(times),
             "response_bytes": size,
             "request_bytes": len(body),
+            "work": plan_work,
         }
         bench.log(f"service / HTTP: {srow.result['time_s']:.2f} s")
     except (OSError, urllib.error.URLError) as exc:

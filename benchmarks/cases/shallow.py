@@ -28,6 +28,11 @@ def case_shallow(bench: Bench) -> None:
             {**base, "kind": "tilewise", "tile": tile, "halo": h, "tolerance": 1e-5},
         )
         row.result["calibration_s"] = cal["seconds"]
+        bench.add(
+            "shallow",
+            f"tilewise tile {tile}, halo {h}, fixed tile shape (v1 plan)",
+            {**base, "kind": "tilewise", "tile": tile, "halo": h, "fixed_tile_shape": True},
+        )
     tile = m.shallow_tiles[-1]
     stride = aligned_stride(tile, m.halo, 1)
     if m.name == "full":

@@ -22,7 +22,8 @@ def case_3d(bench: Bench, variants: Sequence[str] = ("unet-batch",)) -> None:
     stride = aligned_stride(m.tile, m.halo, UNET_ALIGNMENT)
     from tiling import TileGrid
 
-    tw_passes = TileGrid.plan(shape, m.tile, m.halo, alignment=UNET_ALIGNMENT).n_tiles
+    tw_grid = TileGrid.plan(shape, m.tile, m.halo, alignment=UNET_ALIGNMENT)
+    tw_passes = tw_grid.n_tiles
     overlap = 0.25
     if monai_passes(shape, m.tile, overlap) != tw_passes:  # fall back to the very same stride
         overlap = monai_overlap_for(m.tile, stride)
@@ -34,7 +35,9 @@ def case_3d(bench: Bench, variants: Sequence[str] = ("unet-batch",)) -> None:
         f"halo {m.halo} with alignment {UNET_ALIGNMENT} gives stride {stride} ({m.tile} - 2 x {m.halo} "
         f"rounded down to {UNET_ALIGNMENT}); MONAI overlap {overlap:.3g} gives stride {monai_stride} and "
         f"TorchIO patch_overlap {patch_overlap} stride {m.tile - patch_overlap}: the same number of "
-        f"forward passes ({tw_passes}) on this volume."
+        f"forward passes ({tw_passes}) on this volume. tilewise sizes its tiles to the grid (same "
+        f"passes, smaller tiles: {tw_grid.used_tile_shape}); "
+        "the `fixed tile shape (v1 plan)` row is the previous plan (every tile at the limit)."
     )
     for model in variants:
         case = f"3d-{model.split('-')[1]}"
@@ -62,6 +65,11 @@ def case_3d(bench: Bench, variants: Sequence[str] = ("unet-batch",)) -> None:
             case,
             f"tilewise halo {m.halo} (same tile, same passes)",
             {**base, "kind": "tilewise", "halo": m.halo, "disagreement": True},
+        )
+        bench.add(
+            case,
+            f"tilewise halo {m.halo}, fixed tile shape (v1 plan)",
+            {**base, "kind": "tilewise", "halo": m.halo, "fixed_tile_shape": True},
         )
         if model == "unet-batch":
             cal = bench.calibrate(model, data, m.tile, 1e-4)
