@@ -277,24 +277,24 @@ def brain_mask(
     model: Model,
     volume: npt.NDArray[Any],
     affine: npt.NDArray[Any],
-    options: InferenceParams | None = None,
+    params: InferenceParams | None = None,
     *,
     interpolation: str = "linear",
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
     """Brain mask and brain probability of a T1-weighted volume, on the volume's own grid.
 
-    Runs ``model`` (``brain-mask-3d``) with ``options`` (default: the spec's plan) on the frame
+    Runs ``model`` (``brain-mask-3d``) with ``params`` (default: the spec's plan) on the frame
     of :func:`to_frame`, maps the brain probability back with :func:`from_frame` and labels
     ``p > 0.5``.
 
     Returns:
         ``(X, Y, Z)`` uint8 mask (1 = brain) and ``(X, Y, Z)`` float32 probability.
     """
-    from models.params import InferenceParams
+    from models.params import InferenceParams, OutputKind
 
     x, frame = to_frame(volume, affine)
-    params = InferenceParams(output="probabilities").merged(options or InferenceParams())
-    probs = model.run(x, params)
+    given = (params or InferenceParams()).model_dump(exclude_unset=True)
+    probs = model.run(x, InferenceParams.model_validate({**given, "output": OutputKind.PROBABILITIES}))
     brain = from_frame(probs[1:2], frame, interpolation=interpolation)[0]
     return (brain > 0.5).astype(np.uint8), brain
 
