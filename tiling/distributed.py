@@ -512,7 +512,8 @@ def tiled_inference_dask(
             if progress:
                 from distributed import progress as distributed_progress
 
-                distributed_progress(future)  # type: ignore[no-untyped-call]
+                with client.as_current():  # the bar finds its scheduler through the current client
+                    distributed_progress(future)  # type: ignore[no-untyped-call]
             future.result()
     finally:
         if client is not None and not keep_loaded:

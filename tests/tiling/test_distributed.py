@@ -422,6 +422,25 @@ def test_cluster_gpu_resource_sends_every_task_to_the_worker_that_has_it(client,
     _wait_for(lambda: len(client.nthreads()) == 2, 60, "the GPU worker to leave")
 
 
+@pytest.mark.timeout(120)
+def test_threaded_worker_loads_once_and_reports_progress(zarr_mod, tmp_path, rng, capsys):
+    # One worker with 2 threads in this process (processes=False): concurrent tasks share one load
+    # (the plugin's lock), and progress=True prints Dask's own progress bar.
+    distributed = pytest.importorskip("distributed")
+    factory = NetFactory(c_in=1, dilations=(1, 1), record_dir=str(tmp_path))
+    x = rng.standard_normal((1, 24, 20, 18), dtype=np.float32)
+    z = _to_zarr(zarr_mod, tmp_path / "in.zarr", x, 8)
+    with (
+        distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0")
+        as cluster,
+        distributed.Client(cluster, set_as_default=False) as c,
+    ):  # fmt: skip
+        y = tiled_inference_dask(z, factory, halo=2, out=tmp_path / "out.zarr", client=c, progress=True)
+    assert loads_per_process(tmp_path) == {os.getpid(): 1}
+    assert float(np.abs(y[...] - whole(factory.build(), x)).max()) <= ATOL
+    assert "100% Completed" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_cuda_worker(tmp_path, zarr_mod, rng, record_diff):
