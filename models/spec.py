@@ -15,6 +15,9 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     scale: 1                      # output voxels per input voxel
     receptive_field: [10, 10, 10] # radius per axis in voxels, when known (else measured)
     tile_dependent: false         # instance norm / attention / global pooling over the tile
+    spacing: [1.0, 1.0, 1.0]      # mm per spatial axis the network was trained at (inputs resampled)
+    orientation: RAS              # axis codes the network was trained in (3-D; inputs reoriented)
+    labels: {0: background, 1: grey matter}  # label index -> name
     global_pooling: false         # global average pools whose statistics come from the whole image
     precision: fp32               # fp32 | fp16 | bf16 (autocast, CUDA only)
     channels_last: false          # CUDA memory format
@@ -144,6 +147,16 @@ def _dims(value: int) -> int:
     return value
 
 
+def _orientation(value: str) -> str:
+    codes = value.upper()
+    pairs = ("LR", "PA", "IS")
+    if not codes.isalpha() or any(c not in "LRPAIS" for c in codes):
+        raise ValueError(f"must be axis codes from L/R, P/A, I/S such as 'RAS', got {value!r}")
+    if sorted(next(i for i, p in enumerate(pairs) if c in p) for c in codes) != list(range(len(codes))):
+        raise ValueError(f"must name each of L/R, P/A, I/S once, got {value!r}")
+    return codes
+
+
 Positive = Annotated[StrictInt, Field(ge=1)]
 
 
@@ -171,6 +184,9 @@ class ModelSpec(BaseModel):
     scale: Positive = 1
     receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
     tile_dependent: StrictBool = False
+    spacing: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)], ...] | None = None
+    orientation: Annotated[StrictStr, AfterValidator(_orientation)] | None = None
+    labels: dict[Annotated[int, Field(ge=0)], StrictStr] | None = None
     global_pooling: StrictBool = False
     precision: Precision = Precision.FP32
     channels_last: StrictBool = False
@@ -217,6 +233,11 @@ class ModelSpec(BaseModel):
         update = {name: _broadcast(f"defaults.{name}", getattr(filled, name), ndim)
                   for name in ("tile", "halo", "overlap")}  # fmt: skip
         object.__setattr__(self, "defaults", filled.model_copy(update=update))
+        if self.spacing is not None and len(self.spacing) != ndim:
+            got = list(self.spacing)
+            raise ValueError(f"field 'spacing' must list {ndim} values (mm per axis), got {got}")
+        if self.orientation is not None and len(self.orientation) != ndim:
+            raise ValueError(f"field 'orientation' must give {ndim} axis codes, got {self.orientation!r}")
         rf = self.receptive_field
         if rf is not None:
             object.__setattr__(self, "receptive_field", _broadcast("receptive_field", rf, ndim))
@@ -257,6 +278,10 @@ class ModelSpec(BaseModel):
             "receptive_field": None if self.receptive_field is None else list(self.receptive_field),
             "params": dict(self.params),
             "defaults": self.defaults.model_dump(mode="json"),
+            "spacing": None if self.spacing is None else list(self.spacing),
+            "orientation": self.orientation,
+            "labels": None if self.labels is None else {str(k): v for k, v in self.labels.items()},
+            "tile_dependent": self.tile_dependent,
         }
 
     def with_receptive_field(self, radius: tuple[int, ...]) -> ModelSpec:
