@@ -177,13 +177,20 @@ def export_network(
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         if fmt == "torchscript":
-            traced = _trace(core, _random_input(in_channels, core_shape, 1))
+            if isinstance(core, torch.jit.ScriptModule):
+                traced = core
+            else:
+                traced = _trace(core, _random_input(in_channels, core_shape, 1))
             module = _script(wrap(traced)) if wrap is not None else traced
             module.save(str(path))
             loaded = _load_torchscript(path)
 
             def run(x: torch.Tensor) -> Any:
-                return loaded(x).numpy()
+                with torch.inference_mode():
+                    return loaded(x).numpy()
+        elif isinstance(core, torch.jit.ScriptModule):  # torch.export takes no ScriptModule
+            scripted = _script(wrap(core)) if wrap is not None else core
+            run = _export_onnx(scripted, path, in_channels, core_shape, name)
         else:
             run = _export_onnx(eager, path, in_channels, core_shape, name)
     except ModelError:
