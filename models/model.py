@@ -167,7 +167,8 @@ class Model:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
         With ``tta=mirror`` the plan runs once per flip of the spatial axes and the probabilities
-        are averaged before labels are taken: for a local network, tiled TTA equals whole-image TTA.
+        (or, with ``output.tta_average: logits``, the logits, as nnU-Net does) are averaged before
+        labels are taken: for a local network, tiled TTA equals whole-image TTA.
 
         Returns:
             ``(C_out, *spatial * scale)`` probabilities after the activation (float32, or float16
@@ -189,17 +190,19 @@ class Model:
         if len(plan.flips) == 1:
             target = out[None] if out is not None and labels else out
             result = self._tiled(x, plan, make_reduce(spec.activation, plan.output.value), target, progress)
-        else:  # tta: the mean of the probabilities over the flipped passes, then the output kind
+        else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
+            logits = spec.output.tta_average == "logits"
+            per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
             total: npt.NDArray[np.float32] | None = None
             for axes in plan.flips:
                 dims = tuple(1 + a for a in axes)
                 flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-                y = self._tiled(flipped, plan, make_reduce(spec.activation, "probabilities"), None, progress)
+                y = self._tiled(flipped, plan, per_pass, None, progress)
                 y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
                 total = y.copy() if total is None else total + y
             assert total is not None
             result = total / np.float32(len(plan.flips))
-            reduce = make_reduce("none", plan.output.value)
+            reduce = make_reduce(spec.activation if logits else "none", plan.output.value)
             if reduce is not None:
                 import torch
 

@@ -24,7 +24,7 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     preprocess:                   # applied to the whole image before tiling, in order
       - {type: ct_window, lo: -1000, hi: 400}
       - zscore
-    output: {activation: softmax, kind: labels, dtype: float32}
+    output: {activation: softmax, kind: labels, dtype: float32, tta_average: probabilities}
     defaults: {tile: [96, 96, 96], halo: auto, overlap: 0, blend: constant, batch_size: 2}
 
 ``defaults`` is :class:`~models.params.InferenceParams` (the same schema as the HTTP query and the
@@ -71,6 +71,7 @@ __all__ = [
     "Precision",
     "PreprocessStep",
     "STEP_PARAMS",
+    "TtaAverage",
     "load_spec",
     "spec_from_mapping",
 ]
@@ -119,14 +120,23 @@ ANALYTIC_PARAMS: dict[str, tuple[type, ...]] = {
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
+class TtaAverage(StrEnum):
+    """What ``tta=mirror`` averages: probabilities after the activation, or logits before it (nnU-Net)."""
+
+    PROBABILITIES = "probabilities"
+    LOGITS = "logits"
+
+
 class OutputSpec(BaseModel):
-    """``output``: activation after blending, the default output kind, the probability dtype."""
+    """``output``: activation after blending, the default output kind, the probability dtype, and what
+    test-time augmentation averages (``tta_average``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     activation: Activation = Activation.NONE
     kind: OutputKind = OutputKind.PROBABILITIES
     dtype: OutputDtype = OutputDtype.FLOAT32
+    tta_average: TtaAverage = TtaAverage.PROBABILITIES
 
 
 def _name(value: str) -> str:

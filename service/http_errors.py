@@ -59,6 +59,7 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     QueueFullError: (503, "queue_full"),
     NotReadyError: (503, "not_ready"),
     model_errors.BackendUnavailableError: (503, "backend_unavailable"),
+    model_errors.ModelUnavailableError: (503, "model_unavailable"),
     model_errors.DeviceOutOfMemoryError: (503, "device_out_of_memory"),
 }
 #: Details that would leak internals are replaced.
