@@ -16,10 +16,10 @@ from typing import Any
 import anyio
 from fastapi import FastAPI
 
-from service.asgi import DrainMiddleware, HeadMiddleware
+from service.asgi import DrainMiddleware, HeadMiddleware, HeadSizeMiddleware
 from service.codecs import configure_pillow
 from service.executor import DeviceExecutor
-from service.http_errors import error_response, install_error_handlers
+from service.http_errors import error_response, install_error_handlers, plain_error_response
 from service.memory import release_free_memory
 from service.metrics import Metrics
 from service.requestid import RequestIdMiddleware
@@ -128,6 +128,7 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
     app.state.stops = set()  # threading.Event of each running request: set to stop its run
     app.state.uploads = UploadSlots(settings.max_uploads, retry_after_s=settings.retry_after_s)
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
+    app.add_middleware(HeadSizeMiddleware, max_bytes=settings.max_header_bytes, respond=plain_error_response)
     app.add_middleware(
         RequestIdMiddleware,
         on_error=lambda exc: error_response(exc, retry_after_s=settings.retry_after_s),

@@ -38,7 +38,14 @@ from service.errors import (
 from service.requestid import current_request_id
 from tiling import errors as tiling_errors
 
-__all__ = ["STATUS", "ErrorInfo", "classify", "error_response", "install_error_handlers"]
+__all__ = [
+    "STATUS",
+    "ErrorInfo",
+    "classify",
+    "error_response",
+    "install_error_handlers",
+    "plain_error_response",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +146,14 @@ def error_response(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFT
         headers["X-Request-ID"] = request_id
     body = {"error": info.code, "detail": info.detail, "request_id": request_id}
     return JSONResponse(body, status_code=info.status, headers=headers)
+
+
+def plain_error_response(status: int, code: str, detail: str) -> JSONResponse:
+    """A JSON error for a refusal that no exception stands for (e.g. a request head too large)."""
+    request_id = current_request_id()
+    logger.info("request %s answered %d %s: %s", request_id, status, code, detail)
+    headers = {"X-Request-ID": request_id} if request_id else {}
+    return JSONResponse({"error": code, "detail": detail, "request_id": request_id}, status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> None:
