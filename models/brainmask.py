@@ -57,19 +57,19 @@ from models.spec import ModelSpec, spec_from_mapping
 from models.weights import sha256_file
 
 if TYPE_CHECKING:
-    from models.options import InferenceOptions
-    from models.repository import Model
+    from models.model import Model
+    from models.params import InferenceParams
 
 __all__ = [
     "BOX_MARGIN",
     "BRAIN_MASK_FILE",
     "BRAIN_MASK_NAME",
     "BRAIN_MASK_SHA256",
+    "BrainFrame",
     "FRAME_SHAPE",
     "SECOND_WAVE_FIELDS",
     "WHEEL_MEMBER",
     "WHEEL_REQUIREMENT",
-    "BrainFrame",
     "brain_box",
     "brain_mask",
     "brain_mask_mapping",
@@ -283,30 +283,26 @@ def brain_mask(
     model: Model,
     volume: npt.NDArray[Any],
     affine: npt.NDArray[Any],
-    options: InferenceOptions | None = None,
+    params: InferenceParams | None = None,
     *,
     interpolation: str = "linear",
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
     """Brain mask and brain probability of a T1-weighted volume, on the volume's own grid.
 
-    Runs ``model`` (``brain-mask-3d``) with ``options`` (default: the spec's plan) on the frame
+    Runs ``model`` (``brain-mask-3d``) with ``params`` (default: the spec's plan) on the frame
     of :func:`to_frame`, maps the brain probability back with :func:`from_frame` and labels
     ``p > 0.5``.
 
     Returns:
         ``(X, Y, Z)`` uint8 mask (1 = brain) and ``(X, Y, Z)`` float32 probability.
     """
-    from models.options import InferenceOptions
+    from models.params import InferenceParams, OutputKind
 
     x, frame = to_frame(volume, affine)
-    opts = options or InferenceOptions()
-    probs = model.run(x, InferenceOptions(**{**_fields(opts), "output": "probabilities"}))
+    given = (params or InferenceParams()).model_dump(exclude_unset=True)
+    probs = model.run(x, InferenceParams.model_validate({**given, "output": OutputKind.PROBABILITIES}))
     brain = from_frame(probs[1:2], frame, interpolation=interpolation)[0]
     return (brain > 0.5).astype(np.uint8), brain
-
-
-def _fields(options: InferenceOptions) -> dict[str, Any]:
-    return {name: getattr(options, name) for name in options.__dataclass_fields__}
 
 
 # --- setup from the wheel --------------------------------------------------------------------

@@ -8,6 +8,7 @@ One root, :class:`ModelError`; each class also inherits the builtin it refines, 
       RegistryError(ModelError, RuntimeError)      duplicate registration
       SpecError(ModelError, ValueError)            invalid spec file: names the file and the field
       InputError(ModelError, ValueError)           input the model cannot take (channels, dimensions)
+      ParamError(ModelError, ValueError)           unknown inference parameter or invalid value
       WeightsError(ModelError)                     weights file missing or unreadable
         ChecksumMismatchError(WeightsError)        SHA-256 differs from the spec's
         IncompatibleWeightsError(WeightsError)     missing/unexpected keys, shape mismatch
@@ -16,6 +17,8 @@ One root, :class:`ModelError`; each class also inherits the builtin it refines, 
         InferenceError(BackendError)               backend failed during forward; original chained
           DeviceOutOfMemoryError(InferenceError)
       ExportError(ModelError)                      export failed or parity exceeded the tolerance
+      ImportRefusedError(ModelError, ValueError)   import-model cannot map a source (names what)
+      ModelUnavailableError(ModelError)            a model listed as unavailable (its spec failed to load)
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ __all__ = [
     "ChecksumMismatchError",
     "DeviceOutOfMemoryError",
     "ExportError",
+    "ImportRefusedError",
     "IncompatibleWeightsError",
     "InferenceError",
     "InputError",
     "ModelError",
+    "ModelUnavailableError",
+    "ParamError",
     "RegistryError",
     "SpecError",
     "UnknownModelError",
@@ -55,6 +61,10 @@ class SpecError(ModelError, ValueError):
 
 class InputError(ModelError, ValueError):
     """Input the model cannot take: wrong channel count or number of spatial dimensions."""
+
+
+class ParamError(ModelError, ValueError):
+    """An unknown inference parameter or an invalid value (the message names both)."""
 
 
 class WeightsError(ModelError):
@@ -87,3 +97,11 @@ class DeviceOutOfMemoryError(InferenceError):
 
 class ExportError(ModelError):
     """Export failed, or the exported model differs from eager by more than the tolerance."""
+
+
+class ImportRefusedError(ModelError, ValueError):
+    """``tilewise import-model`` cannot map a source; the message names the field or transform."""
+
+
+class ModelUnavailableError(ModelError):
+    """The model is listed but failed to load at start-up; the message gives the reason."""

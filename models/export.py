@@ -196,7 +196,6 @@ def onnx_spec_mapping(
     spec: ModelSpec, onnx_path: Path, sha256: str, *, name: str | None = None
 ) -> dict[str, Any]:
     """A spec mapping for the ONNX export of ``spec`` (same channels, preprocessing and defaults)."""
-    d = spec.defaults
     return {
         "name": name or f"{spec.name}-onnx",
         "description": f"ONNX export of {spec.name}",
@@ -210,13 +209,7 @@ def onnx_spec_mapping(
         "scale": spec.scale,
         "receptive_field": None if spec.receptive_field is None else list(spec.receptive_field),
         "tile_dependent": spec.tile_dependent,
-        "preprocess": [{"type": s.kind, **s.params} if s.params else s.kind for s in spec.preprocess],
-        "output": {"activation": spec.activation, "kind": spec.output_kind, "dtype": spec.output_dtype},
-        "defaults": {
-            "tile": list(d.tile),
-            "halo": list(d.halo) if isinstance(d.halo, tuple) else d.halo,
-            "overlap": list(d.overlap) if isinstance(d.overlap, tuple) else d.overlap,
-            "blend": d.blend,
-            "batch_size": d.batch_size,
-        },
+        "preprocess": [step.to_spec() for step in spec.preprocess],
+        "output": spec.output.model_dump(mode="json"),
+        "defaults": spec.defaults.model_dump(mode="json", exclude_none=True),
     }

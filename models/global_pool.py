@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from models.backends.ort import OrtPredictor
+from models.backends.ort import OrtPredictor, translate_ort_errors
 from models.errors import BackendUnavailableError, WeightsError
 
 __all__ = ["GlobalPoolingPredictor"]
@@ -239,7 +239,8 @@ class GlobalPoolingPredictor(OrtPredictor):
         tiles = list(grid.tiles())
         feeds: dict[str, Array] = {}
         if len(tiles) == 1:  # one tile is the whole (padded) image: its own pools are the means
-            means = self._means_session.run(self.pool_names, {self.input_name: padded[None]})
+            with translate_ort_errors(self.name, "compute the pool means"):
+                means = self._means_session.run(self.pool_names, {self.input_name: padded[None]})
             feeds = {n: np.asarray(m, dtype=np.float32) for n, m in zip(self.pool_names, means, strict=True)}
         for session, features, pooled in self._stage_sessions if len(tiles) > 1 else ():
             wanted = {i.name for i in session.get_inputs()}
@@ -249,7 +250,8 @@ class GlobalPoolingPredictor(OrtPredictor):
                 chunk = tiles[b : b + batch_size]
                 batch = np.stack([padded[(slice(None), *self._read(tl, grid))] for tl in chunk])
                 stage_feeds = {k: v for k, v in feeds.items() if k in wanted}
-                maps = session.run(features, {self.input_name: batch, **stage_feeds})
+                with translate_ort_errors(self.name, "compute a pooling stage"):
+                    maps = session.run(features, {self.input_name: batch, **stage_feeds})
                 for j, fmap in enumerate(maps):
                     # feature stride per axis: tile voxels per feature voxel
                     strides = [t // m for t, m in zip(grid.used_tile_shape, fmap.shape[2:], strict=True)]
@@ -287,5 +289,6 @@ class _LogitView:
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         feeds = {self.owner.input_name: batch.detach().cpu().float().numpy(), **self.owner.extra_feeds}
-        out = self.owner.session.run([self.owner.logits_name], feeds)[0]
+        with translate_ort_errors(self.owner.name, "run a batch for its logits"):
+            out = self.owner.session.run([self.owner.logits_name], feeds)[0]
         return torch.from_numpy(np.asarray(out, dtype=np.float32))

@@ -1,4 +1,4 @@
-"""Model specs: one YAML or JSON file per model, validated strictly at load time.
+"""Model specs: one YAML or JSON file per model, validated strictly (pydantic) at load time.
 
 A spec file (``unet3d.yaml``) looks like this; every key but the first five is optional::
 
@@ -15,16 +15,25 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     scale: 1                      # output voxels per input voxel
     receptive_field: [10, 10, 10] # radius per axis in voxels, when known (else measured)
     tile_dependent: false         # instance norm / attention / global pooling over the tile
+    spacing: [1.0, 1.0, 1.0]      # mm per spatial axis the network was trained at (inputs resampled)
+    orientation: RAS              # axis codes the network was trained in (3-D; inputs reoriented)
+    labels: {0: background, 1: grey matter}  # label index -> name
     global_pooling: false         # global average pools whose statistics come from the whole image
     precision: fp32               # fp32 | fp16 | bf16 (autocast, CUDA only)
     channels_last: false          # CUDA memory format
     preprocess:                   # applied to the whole image before tiling, in order
       - {type: ct_window, lo: -1000, hi: 400}
       - zscore
-    output: {activation: softmax, kind: labels, dtype: float32}
+    output: {activation: softmax, kind: labels, dtype: float32, tta_average: probabilities}
     defaults: {tile: [96, 96, 96], halo: auto, overlap: 0, blend: constant, batch_size: 2}
 
-Invalid specs raise :class:`~models.errors.SpecError` naming the file and the field.
+``defaults`` is :class:`~models.params.InferenceParams` (the same schema as the HTTP query and the
+CLI options); unset ones are filled in (tile 256 per axis in 1-D/2-D, 96 in 3-D; halo and overlap
+0; blend constant; batch size 1; output ``output.kind``) and per-axis values broadcast, so
+``spec.defaults`` is complete but for ``format`` (``None``: it follows the input).
+
+Unknown fields are refused. Invalid specs raise :class:`~models.errors.SpecError` naming the file
+and the field.
 """
 
 from __future__ import annotations
@@ -33,241 +42,305 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from models.errors import SpecError
+from models.params import Blend, InferenceParams, OutputKind, StrEnum, _per_axis
+from models.steps import STEP_PARAMS, PreprocessStep, check_params
 
 __all__ = [
     "ANALYTIC_PARAMS",
-    "ModelDefaults",
+    "Activation",
+    "Backend",
     "ModelSpec",
+    "OutputDtype",
+    "OutputSpec",
+    "Precision",
     "PreprocessStep",
+    "STEP_PARAMS",
+    "TtaAverage",
     "load_spec",
     "spec_from_mapping",
 ]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("eager", "torchscript", "onnx", "analytic")
-ACTIVATIONS = ("none", "sigmoid", "softmax")
-OUTPUT_KINDS = ("probabilities", "labels")
-OUTPUT_DTYPES = ("float32", "float16")
-PRECISIONS = ("fp32", "fp16", "bf16")
-BLENDS = ("constant", "gaussian", "hann", "triangular")
-FORMATS = ("png", "tiff", "nii.gz", "nii", "npy")
-#: Preprocessing step types and their allowed parameters (name -> type).
-STEP_PARAMS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "grey_to_rgb": {},
-    "rgb_to_grey": {},
-    "rgb_to_bgr": {},
-    "unit_range": {},
-    "ct_window": {"lo": (int, float), "hi": (int, float)},
-    "zscore": {},
-    "percentile": {"lo": (int, float), "hi": (int, float)},
-    "normalize": {"mean": (int, float, list), "std": (int, float, list)},
-}
+
+class Backend(StrEnum):
+    """How a model runs."""
+
+    EAGER = "eager"
+    TORCHSCRIPT = "torchscript"
+    ONNX = "onnx"
+    ANALYTIC = "analytic"
+
+
+class Activation(StrEnum):
+    """Output activation, applied after blending (``softmax`` over channels)."""
+
+    NONE = "none"
+    SIGMOID = "sigmoid"
+    SOFTMAX = "softmax"
+
+
+class OutputDtype(StrEnum):
+    """dtype of probability outputs."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+
+
+class Precision(StrEnum):
+    """Autocast precision on CUDA."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
 #: Parameters of ``backend: analytic`` models and their types (``sigma``, ``truncate`` in voxels).
-ANALYTIC_PARAMS: dict[str, type | tuple[type, ...]] = {
-    "kind": str,
+ANALYTIC_PARAMS: dict[str, tuple[type, ...]] = {
+    "kind": (str,),
     "sigma": (int, float),
     "truncate": (int, float),
 }
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
-@dataclass(frozen=True, slots=True)
-class PreprocessStep:
-    """One preprocessing step: ``kind`` from :data:`STEP_PARAMS` and its parameters."""
+class TtaAverage(StrEnum):
+    """What ``tta=mirror`` averages: probabilities after the activation, or logits before it (nnU-Net)."""
 
-    kind: str
-    params: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelDefaults:
-    """Inference defaults of a model; ``tile`` and ``halo`` are voxels (``halo`` may be ``"auto"``)."""
-
-    tile: tuple[int, ...]
-    halo: int | tuple[int, ...] | str = 0
-    overlap: int | tuple[int, ...] = 0
-    blend: str = "constant"
-    batch_size: int = 1
-    output: str = "probabilities"
-    format: str | None = None
+    PROBABILITIES = "probabilities"
+    LOGITS = "logits"
 
 
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """Everything needed to load and run one model.
+class OutputSpec(BaseModel):
+    """``output``: activation after blending, the default output kind, the probability dtype, and what
+    test-time augmentation averages (``tta_average``)."""
 
-    ``receptive_field`` is the radius per spatial axis in voxels (``None``: measure it);
-    ``file`` is absolute once loaded (relative names resolve against the spec's folder).
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    activation: Activation = Activation.NONE
+    kind: OutputKind = OutputKind.PROBABILITIES
+    dtype: OutputDtype = OutputDtype.FLOAT32
+    tta_average: TtaAverage = TtaAverage.PROBABILITIES
+
+
+def _name(value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError(f"must match {_NAME_RE.pattern}, got {value!r}")
+    return value
+
+
+def _sha256(value: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ValueError("must be 64 lowercase hex digits")
+    return value
+
+
+def _dims(value: int) -> int:
+    if value not in (1, 2, 3):
+        raise ValueError(f"must be 1, 2 or 3, got {value}")
+    return value
+
+
+def _orientation(value: str) -> str:
+    codes = value.upper()
+    pairs = ("LR", "PA", "IS")
+    if not codes.isalpha() or any(c not in "LRPAIS" for c in codes):
+        raise ValueError(f"must be axis codes from L/R, P/A, I/S such as 'RAS', got {value!r}")
+    if sorted(next(i for i, p in enumerate(pairs) if c in p) for c in codes) != list(range(len(codes))):
+        raise ValueError(f"must name each of L/R, P/A, I/S once, got {value!r}")
+    return codes
+
+
+Positive = Annotated[StrictInt, Field(ge=1)]
+
+
+class ModelSpec(BaseModel):
+    """Everything needed to load and run one model (see the module docstring for the file).
+
+    ``receptive_field`` is the radius per spatial axis in voxels (``None``: measure it); ``file`` is
+    absolute once loaded (relative names resolve against the spec's folder); ``source`` is the spec
+    file (set by the loader, not a spec field).
     """
 
-    name: str
-    backend: str
-    spatial_dims: int
-    in_channels: int
-    out_channels: int
-    defaults: ModelDefaults
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[StrictStr, AfterValidator(_name)]
+    backend: Backend
+    spatial_dims: Annotated[StrictInt, AfterValidator(_dims)]
+    in_channels: Positive
+    out_channels: Positive
+    defaults: InferenceParams = InferenceParams()
     file: Path | None = None
-    sha256: str | None = None
-    architecture: str | None = None
-    params: Mapping[str, Any] = field(default_factory=dict)
-    alignment: int = 1
-    scale: int = 1
-    receptive_field: tuple[int, ...] | None = None
-    tile_dependent: bool = False
-    global_pooling: bool = False
-    precision: str = "fp32"
-    channels_last: bool = False
+    sha256: Annotated[StrictStr, AfterValidator(_sha256)] | None = None
+    architecture: StrictStr | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    alignment: Positive = 1
+    scale: Positive = 1
+    receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
+    tile_dependent: StrictBool = False
+    spacing: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)], ...] | None = None
+    orientation: Annotated[StrictStr, AfterValidator(_orientation)] | None = None
+    labels: dict[Annotated[int, Field(ge=0)], StrictStr] | None = None
+    global_pooling: StrictBool = False
+    precision: Precision = Precision.FP32
+    channels_last: StrictBool = False
     preprocess: tuple[PreprocessStep, ...] = ()
-    activation: str = "none"
-    output_kind: str = "probabilities"
-    output_dtype: str = "float32"
-    description: str = ""
-    source: Path | None = None
+    output: OutputSpec = OutputSpec()
+    description: StrictStr = ""
+    source: Path | None = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spec_file_form(cls, raw: Any) -> Any:
+        if isinstance(raw, Mapping):
+            raw = dict(raw)
+            if raw.get("preprocess") is None:
+                raw.pop("preprocess", None)
+            for key in ("defaults", "output", "params"):  # ``key:`` with no value: the defaults
+                if key in raw and raw[key] is None:
+                    del raw[key]
+            rf, dims = raw.get("receptive_field"), raw.get("spatial_dims")
+            if isinstance(rf, int) and not isinstance(rf, bool) and isinstance(dims, int):
+                raw["receptive_field"] = [rf] * dims  # one radius for every axis
+        return raw
+
+    @model_validator(mode="after")
+    def _complete(self) -> ModelSpec:
+        ndim = self.spatial_dims
+        if self.backend != Backend.ANALYTIC and self.file is None:
+            raise ValueError(f"field 'file' is required for backend {self.backend.value!r}")
+        if self.backend == Backend.EAGER and self.architecture is None:
+            raise ValueError("field 'architecture' is required for backend 'eager'")
+        if self.backend == Backend.ANALYTIC:
+            check_params("params", self.params, ANALYTIC_PARAMS)
+        filled = self.defaults.merged(
+            InferenceParams(
+                tile=256 if ndim < 3 else 96,
+                halo=0,
+                halo_tolerance=1e-4,
+                overlap=0,
+                blend=Blend.CONSTANT,
+                batch_size=1,
+                output=self.output.kind,
+            )
+        )
+        update = {name: _broadcast(f"defaults.{name}", getattr(filled, name), ndim)
+                  for name in ("tile", "halo", "overlap")}  # fmt: skip
+        object.__setattr__(self, "defaults", filled.model_copy(update=update))
+        if self.spacing is not None and len(self.spacing) != ndim:
+            got = list(self.spacing)
+            raise ValueError(f"field 'spacing' must list {ndim} values (mm per axis), got {got}")
+        if self.orientation is not None and len(self.orientation) != ndim:
+            raise ValueError(f"field 'orientation' must give {ndim} axis codes, got {self.orientation!r}")
+        rf = self.receptive_field
+        if rf is not None:
+            object.__setattr__(self, "receptive_field", _broadcast("receptive_field", rf, ndim))
+        return self
+
+    # Names used throughout the code base for the nested output settings.
+    @property
+    def activation(self) -> str:
+        """``output.activation``."""
+        return self.output.activation.value
+
+    @property
+    def output_kind(self) -> str:
+        """``output.kind``: the default output kind."""
+        return self.output.kind.value
+
+    @property
+    def output_dtype(self) -> str:
+        """``output.dtype``."""
+        return self.output.dtype.value
+
+    @property
+    def where(self) -> str:
+        """How messages name this spec: its file and name."""
+        return f"{self.source} (model {self.name!r})" if self.source else f"model {self.name!r}"
 
     def info(self) -> dict[str, Any]:
-        """The ``GET /v1/models`` entry of this model (JSON-serializable)."""
-        d = self.defaults
-        halo: Any = list(d.halo) if isinstance(d.halo, tuple) else d.halo
-        overlap: Any = list(d.overlap) if isinstance(d.overlap, tuple) else d.overlap
+        """The ``GET /v1/models`` entry of this model (JSON-serializable): the one serializer."""
         return {
             "name": self.name,
             "description": self.description,
             "spatial_dims": self.spatial_dims,
             "in_channels": self.in_channels,
             "out_channels": self.out_channels,
-            "backend": self.backend,
+            "backend": self.backend.value,
             "alignment": self.alignment,
             "scale": self.scale,
             "receptive_field": None if self.receptive_field is None else list(self.receptive_field),
             "params": dict(self.params),
-            "defaults": {
-                "tile": list(d.tile),
-                "halo": halo,
-                "overlap": overlap,
-                "blend": d.blend,
-                "batch_size": d.batch_size,
-                "output": d.output,
-                "format": d.format,
-            },
+            "defaults": self.defaults.model_dump(mode="json"),
+            "spacing": None if self.spacing is None else list(self.spacing),
+            "orientation": self.orientation,
+            "labels": None if self.labels is None else {str(k): v for k, v in self.labels.items()},
+            "tile_dependent": self.tile_dependent,
         }
 
     def with_receptive_field(self, radius: tuple[int, ...]) -> ModelSpec:
         """A copy with ``receptive_field`` set to ``radius`` (voxels per axis)."""
-        return replace(self, receptive_field=tuple(int(r) for r in radius))
+        return self.model_copy(update={"receptive_field": tuple(int(r) for r in radius)})
 
 
-class _Checker:
-    """Field validation that names the spec file and the field in every error."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def fail(self, key: str, problem: str) -> SpecError:
-        return SpecError(f"{self.where}: field {key!r} {problem}")
-
-    def get(self, data: Mapping[str, Any], key: str, types: type | tuple[type, ...], default: Any) -> Any:
-        if key not in data or (data[key] is None and default is None):
-            if default is _REQUIRED:
-                raise self.fail(key, "is required")
-            return default
-        value = data[key]
-        if isinstance(value, bool) and bool not in _as_tuple(types):
-            raise self.fail(key, f"must be {_type_names(types)}, got bool {value!r}")
-        if not isinstance(value, types):
-            raise self.fail(key, f"must be {_type_names(types)}, got {type(value).__name__} {value!r}")
+def _broadcast(where: str, value: Any, ndim: int) -> Any:
+    if isinstance(value, str) or value is None:
         return value
-
-    def choice(self, data: Mapping[str, Any], key: str, choices: tuple[str, ...], default: Any) -> Any:
-        value = self.get(data, key, str, default)
-        if value is not None and value not in choices:
-            raise self.fail(key, f"must be one of {list(choices)}, got {value!r}")
-        return value
-
-    def positive(self, key: str, value: int, minimum: int = 1) -> int:
-        if value < minimum:
-            raise self.fail(key, f"must be >= {minimum}, got {value}")
-        return value
-
-    def per_axis(self, data: Mapping[str, Any], key: str, ndim: int, default: Any, minimum: int) -> Any:
-        value = self.get(data, key, (int, list), default)
-        if value is None or isinstance(value, tuple):
-            return value
-        values = [value] * ndim if isinstance(value, int) else value
-        if len(values) != ndim or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise self.fail(key, f"must be an int or a list of {ndim} ints, got {value!r}")
-        for v in values:
-            self.positive(key, v, minimum)
-        return tuple(values)
-
-    def unknown(self, data: Mapping[str, Any], allowed: tuple[str, ...], prefix: str = "") -> None:
-        for key in data:
-            if key not in allowed:
-                raise self.fail(prefix + str(key), f"is unknown (allowed: {', '.join(allowed)})")
+    values = (value,) * ndim if isinstance(value, int) else tuple(value)
+    if len(values) != ndim:
+        raise ValueError(f"field '{where}' must be an int or a list of {ndim} ints, got {list(values)}")
+    return values
 
 
-_REQUIRED = object()
-_TOP_KEYS = (
-    "name",
-    "backend",
-    "spatial_dims",
-    "in_channels",
-    "out_channels",
-    "file",
-    "sha256",
-    "architecture",
-    "params",
-    "alignment",
-    "scale",
-    "receptive_field",
-    "tile_dependent",
-    "global_pooling",
-    "precision",
-    "channels_last",
-    "preprocess",
-    "output",
-    "defaults",
-    "description",
-)
-_OUTPUT_KEYS = ("activation", "kind", "dtype")
-_DEFAULT_KEYS = ("tile", "halo", "overlap", "blend", "batch_size", "format")
-
-
-def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
-    return types if isinstance(types, tuple) else (types,)
-
-
-def _type_names(types: type | tuple[type, ...]) -> str:
-    return " or ".join(t.__name__ for t in _as_tuple(types))
-
-
-def _steps(check: _Checker, raw: Any) -> tuple[PreprocessStep, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise check.fail("preprocess", f"must be a list of steps, got {type(raw).__name__}")
-    steps = []
-    for i, item in enumerate(raw):
-        key = f"preprocess[{i}]"
-        if isinstance(item, str):
-            kind, params = item, {}
-        elif isinstance(item, Mapping) and isinstance(item.get("type"), str):
-            kind, params = item["type"], {k: v for k, v in item.items() if k != "type"}
+def _location(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before") or "[" in str(part):
+            continue  # pydantic's validator frames, not fields
         else:
-            raise check.fail(key, f"must be a step name or a mapping with 'type', got {item!r}")
-        if kind not in STEP_PARAMS:
-            raise check.fail(key, f"has unknown type {kind!r} (known: {', '.join(STEP_PARAMS)})")
-        allowed = STEP_PARAMS[kind]
-        check.unknown(params, tuple(allowed), prefix=f"{key}.")
-        for name, types in allowed.items():
-            check.get(params, name, types, _REQUIRED)
-        steps.append(PreprocessStep(kind, dict(params)))
-    return tuple(steps)
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _problem(err: Any) -> str:
+    """One pydantic error as ``field 'x' <problem>``."""
+    where = _location(err["loc"])
+    kind = err["type"]
+    ctx_error = (err.get("ctx") or {}).get("error")
+    if kind == "missing":
+        return f"field '{where}' is required"
+    if kind == "extra_forbidden":
+        return f"field '{where}' is unknown" + (f" (in {where.rsplit('.', 1)[0]})" if "." in where else "")
+    if ctx_error is not None:
+        text = str(ctx_error)
+        if text.startswith("field "):
+            return text
+        if where.startswith("defaults") or not where:
+            return f"field '{where}': {text}" if where else text
+        return f"field '{where}' {text}"
+    value = err.get("input")
+    msg = str(err["msg"])
+    if msg.startswith("Input should be "):
+        msg = "must be " + msg[len("Input should be ") :]
+    return f"field '{where}' {msg}, got {type(value).__name__} {value!r}"
 
 
 def spec_from_mapping(data: Any, *, source: Path | None = None, where: str | None = None) -> ModelSpec:
@@ -279,84 +352,27 @@ def spec_from_mapping(data: Any, *, source: Path | None = None, where: str | Non
         where: how errors name the spec (default: the file path, or ``"<spec>"``).
 
     Raises:
-        SpecError: unknown field, wrong type, missing required field or impossible value.
+        SpecError: unknown field, wrong type, missing required field or impossible value (the
+            message names the spec and the field).
     """
-    check = _Checker(where or (str(source) if source else "<spec>"))
+    where = where or (str(source) if source else "<spec>")
     if not isinstance(data, Mapping):
-        raise SpecError(f"{check.where}: a spec must be a mapping, got {type(data).__name__}")
-    name = check.get(data, "name", str, _REQUIRED)
-    if not _NAME_RE.match(name):
-        raise check.fail("name", f"must match {_NAME_RE.pattern}, got {name!r}")
-    check.where = f"{check.where} (model {name!r})"
-    check.unknown(data, _TOP_KEYS)
-    backend = check.choice(data, "backend", BACKENDS, _REQUIRED)
-    ndim = check.get(data, "spatial_dims", int, _REQUIRED)
-    if ndim not in (1, 2, 3):
-        raise check.fail("spatial_dims", f"must be 1, 2 or 3, got {ndim}")
-    in_ch = check.positive("in_channels", check.get(data, "in_channels", int, _REQUIRED))
-    out_ch = check.positive("out_channels", check.get(data, "out_channels", int, _REQUIRED))
-    file = check.get(data, "file", str, None)
-    if backend != "analytic" and file is None:
-        raise check.fail("file", f"is required for backend {backend!r}")
-    path = None
-    if file is not None:
-        path = Path(file).expanduser()
+        raise SpecError(f"{where}: a spec must be a mapping, got {type(data).__name__}")
+    if isinstance(data.get("name"), str):
+        where = f"{where} (model {data['name']!r})"
+    if "source" in data:
+        raise SpecError(f"{where}: field 'source' is unknown")
+    try:
+        spec = ModelSpec.model_validate({**data, "source": source})
+    except ValidationError as exc:
+        problems = "; ".join(_problem(err) for err in exc.errors())
+        raise SpecError(f"{where}: {problems}") from None
+    if spec.file is not None:
+        path = spec.file.expanduser()
         if not path.is_absolute() and source is not None:
             path = source.parent / path
-    architecture = check.get(data, "architecture", str, None)
-    if backend == "eager" and architecture is None:
-        raise check.fail("architecture", "is required for backend 'eager'")
-    sha = check.get(data, "sha256", str, None)
-    if sha is not None and not re.fullmatch(r"[0-9a-f]{64}", sha):
-        raise check.fail("sha256", "must be 64 lowercase hex digits")
-    params = check.get(data, "params", Mapping, {})
-    if backend == "analytic":
-        check.unknown(params, tuple(ANALYTIC_PARAMS), prefix="params.")
-        for key, types in ANALYTIC_PARAMS.items():
-            check.get(params, key, types, None)
-    output = check.get(data, "output", Mapping, {})
-    check.unknown(output, _OUTPUT_KEYS, prefix="output.")
-    out_kind = check.choice(output, "kind", OUTPUT_KINDS, "probabilities")
-    defaults_raw = check.get(data, "defaults", Mapping, {})
-    check.unknown(defaults_raw, _DEFAULT_KEYS, prefix="defaults.")
-    halo = defaults_raw.get("halo", 0)
-    if halo != "auto":
-        halo = check.per_axis(defaults_raw, "halo", ndim, 0, 0)
-    defaults = ModelDefaults(
-        tile=check.per_axis(defaults_raw, "tile", ndim, 256 if ndim < 3 else 96, 1),
-        halo=halo,
-        overlap=check.per_axis(defaults_raw, "overlap", ndim, 0, 0),
-        blend=check.choice(defaults_raw, "blend", BLENDS, "constant"),
-        batch_size=check.positive("defaults.batch_size", check.get(defaults_raw, "batch_size", int, 1)),
-        output=out_kind,
-        format=check.choice(defaults_raw, "format", FORMATS, None),
-    )
-    rf = check.per_axis(data, "receptive_field", ndim, None, 0)
-    return ModelSpec(
-        name=name,
-        backend=backend,
-        spatial_dims=ndim,
-        in_channels=in_ch,
-        out_channels=out_ch,
-        defaults=defaults,
-        file=path,
-        sha256=sha,
-        architecture=architecture,
-        params=dict(params),
-        alignment=check.positive("alignment", check.get(data, "alignment", int, 1)),
-        scale=check.positive("scale", check.get(data, "scale", int, 1)),
-        receptive_field=rf,
-        tile_dependent=check.get(data, "tile_dependent", bool, False),
-        global_pooling=check.get(data, "global_pooling", bool, False),
-        precision=check.choice(data, "precision", PRECISIONS, "fp32"),
-        channels_last=check.get(data, "channels_last", bool, False),
-        preprocess=_steps(check, data.get("preprocess")),
-        activation=check.choice(output, "activation", ACTIVATIONS, "none"),
-        output_kind=out_kind,
-        output_dtype=check.choice(output, "dtype", OUTPUT_DTYPES, "float32"),
-        description=check.get(data, "description", str, ""),
-        source=source,
-    )
+        spec = spec.model_copy(update={"file": path})
+    return spec
 
 
 def load_spec(path: Path) -> ModelSpec:

@@ -1,41 +1,54 @@
-"""Option values shared by the server, the ``tilewise`` commands and the batch client.
+"""Command-line glue shared by the ``tilewise`` commands, the server settings and the batch client.
 
-Standard library only: the batch client and the command parsers import it without torch, FastAPI
-or numpy. Each list is written here once; :data:`BLENDS` mirrors :class:`tiling.BlendMode` (a test
-keeps them equal, as the client may not import torch).
+Light (argparse, pydantic, :mod:`models.params`): the batch client and the command parsers import
+it without torch or FastAPI. The inference options are generated from
+:class:`~models.params.InferenceParams`, so a new parameter appears on every command by itself.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from models.params import InferenceParams, OutputFormat
 
 __all__ = [
-    "BLENDS",
-    "FORMATS",
     "FORMAT_SUFFIXES",
-    "OUTPUTS",
+    "add_param_options",
     "argparse_number",
     "blank_to_none",
+    "param_values",
 ]
 
-#: Blend windows (the values of :class:`tiling.BlendMode`).
-BLENDS = ("constant", "gaussian", "hann", "triangular")
-#: Output kinds: float32 probabilities, or uint8 argmax labels.
-OUTPUTS = ("probabilities", "labels")
-#: Output formats the server and ``tilewise infer`` write, with the file suffix of each.
-FORMAT_SUFFIXES: dict[str, str] = {
-    "nii.gz": ".nii.gz",
-    "nii": ".nii",
-    "png": ".png",
-    "tiff": ".tiff",
-    "npy": ".npy",
-}
-#: The output format names (``format=`` / ``--format``).
-FORMATS = tuple(FORMAT_SUFFIXES)
+#: Output formats and the file suffix of each (``nii.gz`` -> ``.nii.gz``).
+FORMAT_SUFFIXES: dict[str, str] = {f.value: f.suffix for f in OutputFormat}
+_DEST = "param_"
 
 N = TypeVar("N", int, float)
+
+
+def add_param_options(parser: Any, *, choices: bool = True) -> None:
+    """Add one ``--name`` option per :class:`InferenceParams` field (``batch_size`` -> ``--batch-size``).
+
+    Values stay text; :func:`models.params.parse_params` validates them (``param_values(args)``).
+    With ``choices``, closed sets are argparse choices (a wrong value exits with status 2).
+    """
+    for name, field in InferenceParams.model_fields.items():
+        allowed = InferenceParams.choices(name) if choices else None
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=_DEST + name,
+            metavar=None if allowed else name.upper(),
+            choices=allowed,
+            help=(field.description or "").replace("`", "") + " (default: the model's)",
+        )
+
+
+def param_values(args: argparse.Namespace) -> dict[str, str]:
+    """The inference options given on the command line, by parameter name (as text)."""
+    values = {name: getattr(args, _DEST + name, None) for name in InferenceParams.model_fields}
+    return {name: str(value) for name, value in values.items() if value is not None}
 
 
 def argparse_number(kind: type[N], minimum: N, *, strict: bool = False) -> Callable[[str], N]:

@@ -13,12 +13,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from service._deps import check_onnxruntime_distributions
+from service._distributions import check_onnxruntime_distributions
 
 logger = logging.getLogger(__name__)
 
 #: Sub-command modules, in the order ``tilewise --help`` lists them.
-COMMANDS = ("serve", "infer", "batch", "demo", "setup_models", "export_onnx")
+COMMANDS = ("serve", "infer", "batch", "demo", "setup_models", "export_onnx", "import_model")
 
 
 def build_parser() -> argparse.ArgumentParser:

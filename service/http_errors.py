@@ -1,22 +1,12 @@
-"""HTTP mapping of every exception, and the JSON error handlers (server side only).
+"""HTTP mapping of every exception (ONE table), and the JSON error handlers (server side only).
 
 Bodies are ``{"error": "<code>", "detail": "<what and why>", "request_id": "<id>"}``. Client
 errors carry the exception's message; a 500 carries a generic detail and the traceback goes to
-the log only. 503 answers carry ``Retry-After``.
+the log only. 503 answers carry ``Retry-After``; 401 ``WWW-Authenticate``; 413 ``Connection: close``.
 
-| Exceptions                                                        | Status |
-|-------------------------------------------------------------------|--------|
-| ``BadParameterError``, ``EmptyBodyError``, ``tiling.GridError``,   | 400    |
-|  FastAPI request validation                                       |        |
-| ``AuthenticationError``                                           | 401    |
-| ``UnknownModelError``, ``JobNotFoundError``                       | 404    |
-| ``JobStateError``                                                 | 409    |
-| ``PayloadTooLargeError``                                          | 413    |
-| ``UnsupportedMediaTypeError``                                     | 415    |
-| ``DecodeError``, ``UnusableInputError``, ``models.InputError``    | 422    |
-| ``QueueFullError``, ``NotReadyError``, ``BackendUnavailableError``, | 503    |
-|  ``DeviceOutOfMemoryError``                                       |        |
-| anything else                                                     | 500    |
+:data:`STATUS` maps exception classes to ``(status, code)``; an exception takes the entry of the
+first class in its MRO that has one (so a subclass inherits its parent's status unless listed),
+and anything unlisted is a 500.
 """
 
 from __future__ import annotations
@@ -32,19 +22,62 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from models import errors as model_errors
 from service.errors import (
     AuthenticationError,
+    BadParameterError,
+    DecodeError,
+    EmptyBodyError,
+    MemoryBudgetError,
     NotReadyError,
+    OverBudgetError,
     PayloadTooLargeError,
     QueueFullError,
     ServiceError,
+    UnsupportedMediaTypeError,
+    UnusableInputError,
+    UploadTimeoutError,
 )
 from service.requestid import current_request_id
 from tiling import errors as tiling_errors
 
-__all__ = ["ErrorInfo", "classify", "error_response", "install_error_handlers"]
+__all__ = [
+    "STATUS",
+    "ErrorInfo",
+    "classify",
+    "error_response",
+    "install_error_handlers",
+    "plain_error_response",
+]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_RETRY_AFTER_S = 2
+
+#: The one table: exception class -> (HTTP status, error code). The first class of an exception's
+#: MRO found here decides; anything else is 500 ``internal_error`` (a generic detail).
+STATUS: dict[type[BaseException], tuple[int, str]] = {
+    BadParameterError: (400, "bad_parameter"),
+    EmptyBodyError: (400, "empty_body"),
+    model_errors.ParamError: (400, "bad_parameter"),
+    tiling_errors.GridError: (400, "bad_parameter"),
+    RequestValidationError: (400, "bad_parameter"),
+    AuthenticationError: (401, "unauthorized"),
+    model_errors.UnknownModelError: (404, "unknown_model"),
+    UploadTimeoutError: (408, "upload_timeout"),
+    PayloadTooLargeError: (413, "payload_too_large"),
+    MemoryBudgetError: (413, "over_budget"),
+    UnsupportedMediaTypeError: (415, "unsupported_media_type"),
+    DecodeError: (422, "decode_error"),
+    UnusableInputError: (422, "unusable_input"),
+    model_errors.InputError: (422, "unusable_input"),
+    OverBudgetError: (422, "over_budget"),
+    QueueFullError: (503, "queue_full"),
+    NotReadyError: (503, "not_ready"),
+    tiling_errors.RunCancelledError: (503, "cancelled"),
+    model_errors.BackendUnavailableError: (503, "backend_unavailable"),
+    model_errors.ModelUnavailableError: (503, "model_unavailable"),
+    model_errors.DeviceOutOfMemoryError: (503, "device_out_of_memory"),
+}
+#: Details that would leak internals are replaced.
+_GENERIC = {"device_out_of_memory": "the device ran out of memory; retry later"}
 
 _HTTP_CODES = {
     400: "bad_request",
@@ -53,6 +86,7 @@ _HTTP_CODES = {
     404: "not_found",
     405: "method_not_allowed",
     406: "not_acceptable",
+    408: "request_timeout",
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "unprocessable",
@@ -71,41 +105,33 @@ class ErrorInfo:
 
 
 def classify(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> ErrorInfo:
-    """The status, code, detail and headers for ``exc`` (see the module table)."""
-    retry = {"Retry-After": str(retry_after_s)}
-    if isinstance(exc, QueueFullError):
-        return ErrorInfo(503, exc.code, str(exc), {"Retry-After": str(exc.retry_after_s)})
-    if isinstance(exc, NotReadyError):
-        return ErrorInfo(503, exc.code, str(exc), retry)
-    if isinstance(exc, AuthenticationError):
-        return ErrorInfo(401, exc.code, str(exc), {"WWW-Authenticate": "Bearer"})
-    if isinstance(exc, PayloadTooLargeError):
-        return ErrorInfo(413, exc.code, str(exc), {"Connection": "close"})
-    if isinstance(exc, ServiceError):
-        if type(exc) is ServiceError:
-            return ErrorInfo(500, "internal_error", "internal error (see the server log)")
-        return ErrorInfo(exc.status, exc.code, str(exc))
-    if isinstance(exc, model_errors.UnknownModelError):
-        return ErrorInfo(404, "unknown_model", str(exc))
-    if isinstance(exc, model_errors.InputError):
-        return ErrorInfo(422, "unusable_input", str(exc))
-    if isinstance(exc, model_errors.DeviceOutOfMemoryError):
-        return ErrorInfo(503, "device_out_of_memory", "the device ran out of memory; retry later", retry)
-    if isinstance(exc, model_errors.BackendUnavailableError):
-        return ErrorInfo(503, "backend_unavailable", str(exc), retry)
-    if isinstance(exc, tiling_errors.GridError):
-        return ErrorInfo(400, "bad_parameter", str(exc))
+    """The status, code, detail and headers for ``exc`` (see :data:`STATUS`)."""
+    if isinstance(exc, StarletteHTTPException):  # routing: 404 unknown path, 405 method, ...
+        return ErrorInfo(
+            exc.status_code,
+            _HTTP_CODES.get(exc.status_code, "http_error"),
+            str(exc.detail),
+            dict(exc.headers or {}),
+        )
+    entry = next((STATUS[c] for c in type(exc).__mro__ if c in STATUS), None)
+    if entry is None:
+        return ErrorInfo(500, "internal_error", "internal error (see the server log)")
+    status, code = entry
+    detail = _GENERIC.get(code, str(exc))
     if isinstance(exc, RequestValidationError):
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in exc.errors()
         )
-        return ErrorInfo(400, "bad_parameter", problems or "invalid request")
-    if isinstance(exc, StarletteHTTPException):
-        headers = dict(exc.headers or {})
-        return ErrorInfo(
-            exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), str(exc.detail), headers
-        )
-    return ErrorInfo(500, "internal_error", "internal error (see the server log)")
+        detail = problems or "invalid request"
+    headers: dict[str, str] = {}
+    if status == 503:
+        retry = exc.retry_after_s if isinstance(exc, QueueFullError) else retry_after_s
+        headers["Retry-After"] = str(retry)
+    elif status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    elif status in (408, 413):
+        headers["Connection"] = "close"
+    return ErrorInfo(status, code, detail, headers)
 
 
 def error_response(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> JSONResponse:
@@ -121,6 +147,14 @@ def error_response(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFT
         headers["X-Request-ID"] = request_id
     body = {"error": info.code, "detail": info.detail, "request_id": request_id}
     return JSONResponse(body, status_code=info.status, headers=headers)
+
+
+def plain_error_response(status: int, code: str, detail: str) -> JSONResponse:
+    """A JSON error for a refusal that no exception stands for (e.g. a request head too large)."""
+    request_id = current_request_id()
+    logger.info("request %s answered %d %s: %s", request_id, status, code, detail)
+    headers = {"X-Request-ID": request_id} if request_id else {}
+    return JSONResponse({"error": code, "detail": detail, "request_id": request_id}, status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> None:

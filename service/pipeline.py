@@ -1,7 +1,9 @@
-"""One file through one model: decode, fit the layout to the model, run, encode.
+"""The one orchestration of a request: decode, fit, preprocess, plan, tiled run, postprocess, encode.
 
 The server (in its executor thread) and ``tilewise infer`` both call :func:`run_file`, so their
-outputs are identical for the same file and parameters.
+outputs are identical for the same file and parameters. The :class:`~models.RunPlan` is made once,
+on the preprocessed image, before the run; the result carries it to the metrics
+(``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``). Nothing plans again after a run.
 
 Layout rules (DESIGN.md "Interfaces in detail"): a 2D image ``(C, H, W)`` goes to 2D models; a
 NIfTI ``(C, X, Y, Z)`` goes to 3D models, and also to 2D models when ``Z == 1`` (a single slice),
@@ -14,17 +16,31 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.codecs import OUTPUT_FORMATS, DecodedVolume, decode, default_format, encode
+from service.codecs import OUTPUT_FORMATS, DecodedVolume, Probe, decode, default_format, encode, probe
 from service.errors import BadParameterError, UnusableInputError
-from service.params import InferenceParams
 
-__all__ = ["MEDIA_TYPES", "InferenceResult", "fit_to_model", "plan_format", "run_file", "run_volume"]
+if TYPE_CHECKING:
+    from models import InferenceParams, Model, RunPlan
+    from service.budget import Budget
+
+__all__ = [
+    "MEDIA_TYPES",
+    "InferenceResult",
+    "Limits",
+    "check_input",
+    "fit_to_model",
+    "plan_format",
+    "precheck",
+    "run_file",
+    "run_volume",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +55,37 @@ MEDIA_TYPES = {
 
 
 @dataclass(frozen=True, slots=True)
+class Limits:
+    """What an input may declare and a request may cost (``None``: unbounded).
+
+    Attributes:
+        max_voxels: voxels times channels, from the header (413).
+        max_image_pixels: pixels per plane of a picture or TIFF page (413).
+        max_bytes: bytes once decompressed, from the header (413).
+        budget: batch size, tiles, work and memory of the plan (:mod:`service.budget`).
+    """
+
+    max_voxels: int | None = None
+    max_image_pixels: int | None = None
+    max_bytes: int | None = None
+    budget: Budget | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Limits:
+        """The limits of :class:`~service.settings.Settings` (decompressed bytes: the upload limit)."""
+        from service.budget import Budget
+
+        return cls(
+            settings.max_voxels,
+            settings.max_image_pixels,
+            settings.max_upload_bytes,
+            Budget.from_settings(settings),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class InferenceResult:
-    """Where the output went and what it is."""
+    """Where the output went, what it is, and the plan that made it."""
 
     path: Path
     format: str
@@ -50,8 +95,13 @@ class InferenceResult:
     output_dtype: str
     output_kind: str
     seconds: float
-    n_tiles: int | None
+    plan: RunPlan
     size_bytes: int
+
+    @property
+    def n_tiles(self) -> int:
+        """Tiles of the plan that ran."""
+        return self.plan.n_tiles
 
 
 def fit_to_model(volume: DecodedVolume, spec: Any) -> tuple[np.ndarray, bool]:
@@ -96,9 +146,8 @@ def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, outpu
     Raises:
         BadParameterError: ``png`` for a 3D output.
     """
-    fmt = params.format or getattr(spec.defaults, "format", None) or default_format(volume, output_kind)
-    if fmt not in OUTPUT_FORMATS:
-        raise BadParameterError(f"format={fmt!r} is not one of {list(OUTPUT_FORMATS)}")
+    fmt = params.format or spec.defaults.format or default_format(volume, output_kind)
+    fmt = str(fmt)
     if fmt == "png" and spec.spatial_dims != 2:
         raise BadParameterError(
             f"format=png needs a 2D output; model {spec.name!r} is 3D (use nii.gz or tiff)"
@@ -106,108 +155,134 @@ def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, outpu
     return fmt
 
 
-def _options(params: InferenceParams, spec: Any) -> tuple[Any, Any]:
-    """``models.InferenceOptions`` from the parameters, and the same resolved against the spec.
+def check_input(spec: Any, source: Path, limits: Limits) -> Probe:
+    """The input's header, checked against ``limits`` and the model before anything is decoded.
 
     Raises:
-        BadParameterError: a value the model's option validation refuses (count per axis, range).
+        PayloadTooLargeError: voxels, pixels or decompressed bytes over the limits (413).
+        UnusableInputError: the wrong dimensionality or channel count for the model (422).
+        EmptyBodyError, UnsupportedMediaTypeError, DecodeError: see :func:`service.codecs.probe`.
     """
-    from models import InferenceOptions
+    header = probe(source)
+    header.check_limits(
+        max_voxels=limits.max_voxels, max_image_pixels=limits.max_image_pixels, max_bytes=limits.max_bytes
+    )
+    header.check_model(int(spec.spatial_dims), spec.name, in_channels=int(spec.in_channels))
+    return header
 
-    try:
-        options = InferenceOptions(**params.option_kwargs())  # type: ignore[arg-type]
-        return options, options.resolve(spec)
-    except ValueError as exc:
-        raise BadParameterError(str(exc)) from exc
 
+def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits) -> Probe:
+    """Refuse, from the file's header alone, an input or a plan beyond ``limits`` (before queueing).
 
-def _count_tiles(model: Any, data: np.ndarray, resolved: Any) -> int | None:
-    """Tiles of the plan just run, for the metrics (``None`` when it cannot be known)."""
-    from tiling import TileGrid
+    The plan is made on the header's shape (the preprocessed image has the decoded image's
+    shape); a calibrated halo (``halo=auto``) counts as 0 here, a lower bound of the real plan's
+    cost, which :func:`run_volume` checks again before running it.
 
+    Raises:
+        PayloadTooLargeError, UnusableInputError: see :func:`check_input`.
+        OverBudgetError, MemoryBudgetError: the plan over the budget (422, 413).
+        ParamError, GridError: parameters that cannot tile this image (400).
+    """
     spec = model.spec
-    halo = resolved.halo
-    try:
-        if isinstance(halo, str):  # "auto": the model calibrated (and cached) it during the run
-            halo = model.resolve_halo(halo, resolved.tile, resolved.halo_tolerance, data)
-        grid = TileGrid.plan(
-            data.shape[1:],
-            resolved.tile,
-            halo,
-            overlap=resolved.overlap,
-            alignment=spec.alignment,
-            scale=spec.scale,
-            blend=resolved.blend,
-        )
-    except (ValueError, AttributeError, TypeError):
-        return None
-    return int(grid.n_tiles)
+    header = check_input(spec, source, limits)
+    if limits.budget is not None:
+        shape = header.spatial_shape
+        if int(spec.spatial_dims) == 2 and header.single_slice:
+            shape = shape[:2]
+        merged = params.merged(spec.defaults)
+        if merged.halo == "auto":
+            merged = merged.model_copy(update={"halo": 0})
+        plan = model.plan(shape, merged)
+        decoded = header.voxels * np.dtype(header.dtype).itemsize
+        limits.budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=decoded)
+    return header
 
 
 def run_volume(
-    model: Any, volume: DecodedVolume, params: InferenceParams
-) -> tuple[np.ndarray, str, int | None]:
+    model: Model,
+    volume: DecodedVolume,
+    params: InferenceParams,
+    *,
+    budget: Budget | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    progress: bool | Callable[[int], object] = False,
+) -> tuple[np.ndarray, RunPlan]:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
+    The plan is checked against ``budget`` before the network sees a tile; ``should_stop`` is
+    asked before every batch (the run ends with :class:`tiling.RunCancelledError`); ``progress``
+    shows a bar of tiles on stderr, or is called with each batch's tile count.
+
     Returns:
-        ``(array, output_kind, n_tiles)``: uint8 ``(*spatial)`` labels or float32
-        ``(C_out, *spatial)`` values with ``spatial == volume.spatial_shape``.
+        ``(array, plan)``: uint8 ``(*spatial)`` labels or float32 ``(C_out, *spatial)`` values with
+        ``spatial == volume.spatial_shape``, and the plan that ran.
     """
     spec = model.spec
     data, dropped = fit_to_model(volume, spec)
-    options, resolved = _options(params, spec)
-    output_kind = str(getattr(resolved, "output", None) or spec.output_kind)
-    result = np.asarray(model.run(data, options))
-    n_tiles = _count_tiles(model, data, resolved)
+    x = model.preprocess(data)
+    plan = model.plan(x.shape[1:], params, sample=x)
+    if budget is not None:
+        budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=volume.data.nbytes)
+    result = np.asarray(model.execute(x, plan, progress=progress, should_stop=should_stop))
     if dropped:
         result = result[..., None]
-    if output_kind == "labels":
+    if plan.output == "labels":
         result = result.astype(np.uint8, copy=False)
     elif result.dtype != np.float32:
         result = result.astype(np.float32)
-    return result, output_kind, n_tiles
+    return result, plan
 
 
 def run_file(
-    model: Any,
+    model: Model,
     source: Path,
     target_stem: Path,
     params: InferenceParams,
     *,
-    max_voxels: int | None = None,
-    max_image_pixels: int | None = None,
+    limits: Limits | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    progress: bool | Callable[[int], object] = False,
 ) -> InferenceResult:
-    """Decode ``source``, run ``model``, write the output next to ``target_stem``.
+    """Check ``source``'s header, decode it, run ``model``, write the output next to ``target_stem``.
 
     Args:
-        model: a ``models.Model`` (``.spec``, ``.run``).
+        model: a loaded ``models.Model``.
         source: the input file (format detected by content).
         target_stem: output path without suffix; the format's suffix is appended.
         params: validated inference parameters.
-        max_voxels: voxel limit (413 beyond), checked from the header.
-        max_image_pixels: 2D pixel limit (decompression-bomb guard).
+        limits: what the header may declare (checked before decoding) and the plan may cost
+            (checked before running); ``None``: no limits.
+        should_stop: asked before every batch; true stops the run (``tiling.RunCancelledError``).
+        progress: show a progress bar of tiles on stderr, or a callable called with each
+            batch's tile count (the server's ``tilewise_tiles_total``).
     """
     started = time.perf_counter()
-    volume = decode(source, max_voxels=max_voxels, max_image_pixels=max_image_pixels)
+    limits = limits or Limits()
     spec = model.spec
-    # The format is checked before the (long) run; layout and options in run_volume, also before.
-    provisional_kind = str(params.output or getattr(spec.defaults, "output", None) or spec.output_kind)
-    fmt = plan_format(volume, spec, params, provisional_kind)
-    array, output_kind, n_tiles = run_volume(model, volume, params)
-    if params.format is None and output_kind != provisional_kind:
-        fmt = plan_format(volume, spec, params, output_kind)
+    check_input(spec, source, limits)
+    volume = decode(
+        source,
+        max_voxels=limits.max_voxels,
+        max_image_pixels=limits.max_image_pixels,
+        max_bytes=limits.max_bytes,
+    )
+    output_kind = str(params.output or spec.defaults.output)
+    fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
+    array, plan = run_volume(
+        model, volume, params, budget=limits.budget, should_stop=should_stop, progress=progress
+    )
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
     encode(volume, array, fmt, path)
     seconds = time.perf_counter() - started
     logger.info(
-        "model=%s input=%s%s output=%s%s %s n_tiles=%s in %.3fs",
+        "model=%s input=%s%s output=%s%s %s plan=%s in %.3fs",
         spec.name,
         volume.kind,
         tuple(volume.data.shape),
         fmt,
         tuple(array.shape),
         array.dtype,
-        n_tiles,
+        plan.header(),
         seconds,
     )
     return InferenceResult(
@@ -219,6 +294,6 @@ def run_file(
         output_dtype=str(array.dtype),
         output_kind=output_kind,
         seconds=seconds,
-        n_tiles=n_tiles,
+        plan=plan,
         size_bytes=path.stat().st_size,
     )

@@ -13,6 +13,9 @@ Kind        Magic
 ``png``     ``89 50 4E 47 0D 0A 1A 0A``
 ``jpeg``    ``FF D8 FF``
 ``tiff``    ``II*\\0``, ``MM\\0*`` (classic) or ``II+\\0``, ``MM\\0+`` (BigTIFF)
+``dicom``   ``DICM`` at byte 128, after the 128-byte preamble (checked first: the preamble may
+            itself look like a TIFF header, as in pydicom's ``CT_small.dcm``). Recognized in
+            order to be refused with advice (:data:`UNSUPPORTED_KINDS`), not read.
 ==========  =====================================================================
 
 A ``.nii.gz`` cut short before its header could be read still counts as NIfTI, so that the server
@@ -28,16 +31,26 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["KINDS", "Sniffed", "sniff", "sniff_bytes", "sniff_file"]
+__all__ = ["DICOM_ADVICE", "KINDS", "UNSUPPORTED_KINDS", "Sniffed", "sniff", "sniff_bytes", "sniff_file"]
 
 logger = logging.getLogger(__name__)
 
-#: Every input kind :func:`sniff` recognizes.
+#: Every input kind tilewise reads.
 KINDS = ("nifti", "png", "jpeg", "tiff")
+#: Kinds :func:`sniff` recognizes only to refuse them with a useful message (HTTP 415; the batch
+#: client lists them as ``skipped``).
+UNSUPPORTED_KINDS = ("dicom",)
+#: What to do with a DICOM file instead of sending it.
+DICOM_ADVICE = (
+    "DICOM is not read yet: convert the series to NIfTI first (e.g. `dcm2niix -z y -o OUT_DIR "
+    "DICOM_DIR`) and send the .nii.gz"
+)
 
 _PNG = b"\x89PNG\r\n\x1a\n"
 _JPEG = b"\xff\xd8\xff"
 _TIFF = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # classic and BigTIFF, both byte orders
+_DICOM_MAGIC = b"DICM"
+_DICOM_OFFSET = 128  # after the preamble (free content: often zeros, sometimes a TIFF header)
 _GZIP = b"\x1f\x8b"
 _NIFTI1_MAGIC = b"n+1\x00"
 _NIFTI1_PAIR_MAGIC = b"ni1\x00"
@@ -50,7 +63,7 @@ class Sniffed:
     """What a file's first bytes say it is.
 
     Attributes:
-        kind: one of :data:`KINDS`.
+        kind: one of :data:`KINDS` or :data:`UNSUPPORTED_KINDS`.
         nifti_version: 1 or 2 for NIfTI, else 0.
         gzipped: whether the NIfTI is gzip-compressed (``.nii.gz``).
         byteorder: ``"<"`` or ``">"`` for NIfTI, else ``""``.
@@ -87,6 +100,8 @@ def sniff_bytes(head: bytes) -> Sniffed | None:
     Returns:
         the detected format, or ``None`` when the bytes match no supported format.
     """
+    if head[_DICOM_OFFSET : _DICOM_OFFSET + 4] == _DICOM_MAGIC:
+        return Sniffed("dicom")
     if head.startswith(_PNG):
         return Sniffed("png")
     if head.startswith(_JPEG):
@@ -120,8 +135,8 @@ def sniff(path: str | Path) -> Sniffed | None:
 
 
 def sniff_file(path: str | Path) -> str | None:
-    """The kind of the file at ``path`` (one of :data:`KINDS`), or ``None``: :func:`sniff`
-    without the details.
+    """The kind of the file at ``path`` (one of :data:`KINDS` or :data:`UNSUPPORTED_KINDS`), or
+    ``None``: :func:`sniff` without the details.
 
     Raises:
         OSError: when the file cannot be read.

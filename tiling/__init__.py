@@ -10,9 +10,24 @@ True
 from __future__ import annotations
 
 from tiling.engine import tiled_inference
-from tiling.errors import AccumulatorStateError, CoverageError, GridError, ShapeMismatchError, TilingError
+from tiling.errors import (
+    AccumulatorStateError,
+    CoverageError,
+    GridError,
+    RunCancelledError,
+    ShapeMismatchError,
+    TilingError,
+)
 from tiling.geometry import BlendMode, BorderMode, PaddingMode
 from tiling.grid import AxisPlan, Tile, TileGrid
+from tiling.plan import (
+    aligned_extent,
+    calibration_margin,
+    cap_halo,
+    context_halo,
+    fits_one_tile,
+    round_up,
+)
 from tiling.windows import pad_to_fit, sample_windows, sliding_windows
 
 __all__ = [
@@ -23,11 +38,18 @@ __all__ = [
     "CoverageError",
     "GridError",
     "PaddingMode",
+    "RunCancelledError",
     "ShapeMismatchError",
     "Tile",
     "TileGrid",
     "TilingError",
+    "aligned_extent",
+    "calibration_margin",
+    "cap_halo",
+    "context_halo",
+    "fits_one_tile",
     "pad_to_fit",
+    "round_up",
     "sample_windows",
     "sliding_windows",
     "tiled_inference",

@@ -27,10 +27,13 @@ class SlabAccumulator:
         out_shape: spatial shape of the whole output (voxels).
         coverages: per axis, a ``(out_shape[a],)`` coverage vector, or ``None`` for all ones.
         device: where the fp32 buffer lives.
+        rows: buffer rows to allocate up front: the most rows one row of tiles holds at once (the
+            slab merger passes the longest kept span along axis 0). ``0``: grow on demand.
 
     Memory: ``4 * C * rows * prod(out_shape[1:])`` bytes, with ``rows`` at most one core plus the
-    overlap along axis 0. The buffer is allocated once (grown only if a later row needs more) and
-    reused row after row, so no slab-sized temporaries are churned through the allocator.
+    overlap along axis 0. The buffer is allocated once (grown only if a later row needs more than
+    ``rows``; while it grows, old and new buffer coexist) and reused row after row, so no slab-sized
+    temporaries are churned through the allocator.
     """
 
     def __init__(
@@ -39,6 +42,7 @@ class SlabAccumulator:
         out_shape: Sequence[int],
         coverages: Sequence[npt.NDArray[np.float32] | None],
         device: torch.device,
+        rows: int = 0,
     ) -> None:
         self.channels = channels
         self.out_shape = tuple(out_shape)
@@ -50,7 +54,7 @@ class SlabAccumulator:
         self._lo = 0  # output row held in buffer row self._off
         self._off = 0
         self._rows = 0  # rows held from self._off; buffer rows from self._off + self._rows on are zero
-        self._buf = torch.zeros((channels, 0, *self.out_shape[1:]), dtype=torch.float32, device=device)
+        self._buf = torch.zeros((channels, rows, *self.out_shape[1:]), dtype=torch.float32, device=device)
         self._done = False
 
     @property
@@ -83,7 +87,7 @@ class SlabAccumulator:
         if weight is None:
             self._buf[local] += values
         else:
-            self._buf[local] += values * weight
+            self._buf[local].addcmul_(values, weight)  # in place: no tile-sized temporary
 
     def release(self, until: int) -> tuple[int, torch.Tensor]:
         """Normalize and hand back rows ``[lo, until)``; returns ``(lo, (C, rows, ...))``.

@@ -1,21 +1,28 @@
-"""1-D blend windows and per-axis coverage.
+"""Blend windows, per-tile weights and per-axis coverage (the floating-point side of a plan).
 
 A Cartesian tile grid with separable windows has a separable coverage: the sum over all tiles of
 the product of per-axis weights is the product over axes of per-axis sums. So coverage is held as
-one 1-D vector per axis and never as a full-size map.
+one 1-D vector per axis and never as a full-size map. :func:`axis_weights` turns the integer plan
+of one axis (:class:`~tiling.grid.AxisPlan`) into those vectors.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
+from tiling.errors import CoverageError
 from tiling.geometry import BlendMode
+from tiling.grid import AxisPlan, TileGrid
 
-__all__ = ["GAUSSIAN_SIGMA_SCALE", "blend_window"]
+__all__ = ["AxisWeights", "GAUSSIAN_SIGMA_SCALE", "axis_weights", "blend_window", "grid_weights"]
 
 #: Gaussian sigma as a fraction of the window length, as nnU-Net's importance map (``sigma_scale=1/8``).
 GAUSSIAN_SIGMA_SCALE = 1.0 / 8.0
+
+Vector = npt.NDArray[np.float32]
 
 
 def blend_window(
@@ -25,7 +32,7 @@ def blend_window(
     flat_lo: bool = False,
     flat_hi: bool = False,
     sigma: float | None = None,
-) -> npt.NDArray[np.float32]:
+) -> Vector:
     """Return a 1-D blend window of ``length`` strictly positive float32 weights, peak 1.
 
     Args:
@@ -61,5 +68,60 @@ def blend_window(
         w[: mid_lo + 1] = 1.0
     if flat_hi:
         w[mid_hi:] = 1.0
-    out: npt.NDArray[np.float32] = w.astype(np.float32)
+    out: Vector = w.astype(np.float32)
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class AxisWeights:
+    """The blend weights of one axis.
+
+    Attributes:
+        weights: per tile, ``(write_hi - write_lo,)`` float32 weights of its written part.
+        coverage: ``(out_length,)`` float32 sum of the weights at each output voxel (all > 0).
+    """
+
+    weights: tuple[Vector, ...]
+    coverage: Vector
+
+
+def axis_weights(axis: AxisPlan, mode: BlendMode) -> AxisWeights | None:
+    """Weights and coverage of one axis; ``None`` when its writes partition the output (all ones).
+
+    Each tile's window lies over its :attr:`~tiling.grid.AxisPlan.windows` span, flat on the sides
+    that lie on the extent edge; written voxels outside the span get weight 1. The gaussian's sigma
+    is ``out_tile / 8``, relative to the tile as nnU-Net's importance map.
+
+    >>> grid = TileGrid.plan((10,), 6, overlap=2, blend="triangular")
+    >>> w = axis_weights(grid.axes[0], grid.blend)
+    >>> [round(v, 3) for v in w.weights[0].tolist()], [round(v, 3) for v in w.weights[1].tolist()]
+    ([1.0, 1.0, 1.0, 1.0, 0.667, 0.333], [0.333, 0.667, 1.0, 1.0, 1.0, 1.0])
+    >>> w.coverage.tolist()
+    [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+
+    Raises:
+        CoverageError: an output voxel has zero coverage (an engine bug).
+    """
+    if not axis.blended:
+        return None
+    coverage = np.zeros(axis.out_length, dtype=np.float32)
+    weights = []
+    for (lo, hi), (win_lo, win_hi), (flat_lo, flat_hi) in zip(
+        axis.writes, axis.windows, axis.flat, strict=True
+    ):
+        window = blend_window(win_hi - win_lo, mode, flat_lo=flat_lo, flat_hi=flat_hi,
+                              sigma=axis.out_tile * GAUSSIAN_SIGMA_SCALE)  # fmt: skip
+        full_lo, full_hi = min(lo, win_lo), max(hi, win_hi)
+        full = np.ones(full_hi - full_lo, dtype=np.float32)
+        full[win_lo - full_lo : win_hi - full_lo] = window
+        w = full[lo - full_lo : hi - full_lo]
+        weights.append(w)
+        coverage[lo:hi] += w
+    if not bool((coverage > 0).all()):  # pragma: no cover - the plan covers every voxel
+        raise CoverageError(f"zero coverage at output voxels {np.flatnonzero(coverage <= 0)[:8].tolist()}")
+    return AxisWeights(tuple(weights), coverage)
+
+
+def grid_weights(grid: TileGrid) -> tuple[AxisWeights | None, ...]:
+    """:func:`axis_weights` of every axis of ``grid`` (``None`` for axes whose writes partition)."""
+    return tuple(axis_weights(a, grid.blend) for a in grid.axes)

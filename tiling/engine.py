@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
@@ -11,11 +12,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tiling.accumulate import SlabAccumulator
-from tiling.errors import GridError, ShapeMismatchError
+from tiling.errors import GridError, RunCancelledError, ShapeMismatchError
+from tiling.execute import Batch, Staged, TileReader, Transfers
 from tiling.geometry import PaddingMode, parse_enum
-from tiling.grid import Tile, TileGrid
-from tiling.io import read_region
+from tiling.grid import TileGrid
+from tiling.merge import Merger, Reducer, make_merger
 from tiling.sink import Sink
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["tiled_inference"]
 
 Predictor = Callable[[torch.Tensor], Any]
-Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def tiled_inference(
@@ -41,7 +41,11 @@ def tiled_inference(
     device: str | torch.device | None = None,
     out: Any = None,
     reduce: Reducer | None = None,
-    progress: bool = False,
+    progress: bool | Callable[[int], object] = False,
+    *,
+    fixed_tile_shape: bool = False,
+    prefetch: bool = True,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
 
@@ -72,7 +76,20 @@ def tiled_inference(
             torch inputs) to fill and return; memmaps are flushed slab by slab.
         reduce: maps each finalized region ``(C_out, *region)`` (float32 torch) to
             ``(C_red, *region)`` before it is written, e.g. argmax to uint8 labels.
-        progress: show a tqdm progress bar over tiles.
+        progress: show a tqdm progress bar over tiles; or a callable, called with the number of
+            tiles of each batch once it is merged (e.g. a metrics counter's ``inc``).
+        fixed_tile_shape: feed every tile at exactly ``tile_shape`` (the last one shifted back to the
+            image edge), for engines compiled for one input shape (TensorRT). By default tiles are
+            sized to the grid: the same number of tiles, each the smallest multiple of ``alignment``
+            that still covers the image, origins spread evenly (see :mod:`tiling.grid`), so fewer
+            voxels go through the network. Either way tiles exceed the image only when
+            ``tile_shape`` does, and then shrink to the (aligned) image.
+        prefetch: read and pad the next batch in a background thread while the predictor runs on
+            the current one (default). ``False`` reads each batch just before it is predicted
+            (e.g. to measure what the overlap gains, or for a source that is not thread-safe).
+        should_stop: called before each batch is predicted; when it returns true the run stops
+            there with :class:`~tiling.errors.RunCancelledError` (e.g. the client went away). It
+            must be cheap and thread-safe (``threading.Event.is_set``).
 
     Returns:
         ``(C_out or C_red, *ceil(spatial * scale))`` of the input's array type (numpy for numpy,
@@ -83,6 +100,7 @@ def tiled_inference(
         GridError: invalid tile/halo/overlap/alignment/scale/mode for this input.
         ShapeMismatchError: an input with too few dimensions, an ``out`` of the wrong shape, or a
             predictor output whose shape is not ``(B, C_out, *(tile * scale))``.
+        RunCancelledError: ``should_stop()`` returned true before a batch.
     """
     pad_mode = PaddingMode(parse_enum(PaddingMode, padding_mode, "padding_mode"))
     if isinstance(batch_size, bool) or int(batch_size) < 1:
@@ -90,38 +108,74 @@ def tiled_inference(
     is_torch = isinstance(inputs, torch.Tensor)
     shape = tuple(int(s) for s in inputs.shape)
     lead = 2 if is_torch else 1
-    if len(shape) < lead + 1:
-        expected = "(N, C, *spatial)" if is_torch else "(C, *spatial)"
-        raise ShapeMismatchError(
-            f"inputs of shape {shape} has {len(shape)} dimensions; expected {expected} with at "
-            "least one spatial axis"
-        )
+    _check_layout(shape, is_torch, tile_shape=tile_shape, halo=halo, overlap=overlap, alignment=alignment,
+                  scale=scale)  # fmt: skip
     grid = TileGrid.plan(
         shape[lead:], tile_shape, halo, overlap=overlap, alignment=alignment, scale=scale,
-        border=border, blend=blend,
+        border=border, blend=blend, fixed_tile_shape=fixed_tile_shape,
     )  # fmt: skip
     logger.info("tiled inference plan: %s", grid.summary())
     run_device = torch.device(device) if device is not None else (
         inputs.device if is_torch else torch.device("cpu")
     )  # fmt: skip
     acc_device = inputs.device if is_torch else torch.device("cpu")
-    bar = tqdm(total=grid.n_tiles * (shape[0] if is_torch else 1), disable=not progress, unit="tile",
-               desc="tiles")  # fmt: skip
+    transfers = Transfers(run_device, acc_device)
+    total = grid.n_tiles * (shape[0] if is_torch else 1)
+    bar: Any = (
+        _Counter(progress) if callable(progress)
+        else tqdm(total=total, disable=not progress, unit="tile", desc="tiles")
+    )  # fmt: skip
     try:
         if not is_torch:
             sink = Sink(out, grid.out_shape, like="numpy")
-            _run_one(inputs, grid, predictor, pad_mode, int(batch_size), run_device, acc_device, sink,
-                     reduce, bar)  # fmt: skip
+            _run_one(inputs, grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
+                     prefetch, bar, should_stop)  # fmt: skip
             return sink.result()
         results = []
         for n in range(shape[0]):
             sink = Sink(None if out is None else out[n], grid.out_shape, like="torch", device=acc_device)
-            _run_one(inputs[n], grid, predictor, pad_mode, int(batch_size), run_device, acc_device, sink,
-                     reduce, bar)  # fmt: skip
+            _run_one(inputs[n], grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
+                     prefetch, bar, should_stop)  # fmt: skip
             results.append(sink.result())
         return out if out is not None else torch.stack(results)
     finally:
         bar.close()
+
+
+class _Counter:
+    """A progress "bar" that hands each batch's tile count to a callback."""
+
+    def __init__(self, callback: Callable[[int], object]) -> None:
+        self.callback = callback
+
+    def update(self, n: int) -> None:
+        self.callback(n)
+
+    def close(self) -> None:
+        pass
+
+
+def _check_layout(shape: tuple[int, ...], is_torch: bool, **per_axis: object) -> None:
+    """Check the input's rank and the axis count of every per-axis parameter, naming the shape.
+
+    Raises:
+        ShapeMismatchError: fewer dimensions than the layout needs.
+        GridError: a per-axis tuple whose length differs from the input's spatial axis count.
+    """
+    layout = "(N, C, *spatial) (a torch tensor)" if is_torch else "(C, *spatial) (numpy or array-like)"
+    lead = 2 if is_torch else 1
+    if len(shape) < lead + 1:
+        raise ShapeMismatchError(
+            f"inputs of shape {shape} has {len(shape)} dimensions; expected {layout} with at "
+            "least one spatial axis"
+        )
+    ndim = len(shape) - lead
+    for name, value in per_axis.items():
+        if isinstance(value, Sequence) and not isinstance(value, str) and len(value) != ndim:
+            raise GridError(
+                f"{name}={tuple(value)} has {len(value)} axes but the input has {ndim} spatial axes: "
+                f"inputs of shape {shape} is read as {layout}, spatial shape {shape[lead:]}"
+            )
 
 
 def _run_one(
@@ -130,58 +184,44 @@ def _run_one(
     predictor: Predictor,
     pad_mode: PaddingMode,
     batch_size: int,
-    run_device: torch.device,
-    acc_device: torch.device,
+    transfers: Transfers,
     sink: Sink,
     reduce: Reducer | None,
+    prefetch: bool,
     bar: Any,
+    should_stop: Callable[[], bool] | None = None,
 ) -> None:
-    tiles = list(grid.tiles())
-    weights = _weights(grid, acc_device)
-    acc: SlabAccumulator | None = None
-    rows_left: dict[int, int] = {}
-    for t in tiles:
-        rows_left[t.index[0]] = rows_left.get(t.index[0], 0) + 1
-    axis0 = grid.axes[0]
-    pin = run_device.type == "cuda" and not (isinstance(source, torch.Tensor) and source.is_cuda)
+    """Stream the tiles of one ``(C, *spatial)`` source through ``predictor`` into ``sink``."""
+    merger = make_merger(grid, sink, reduce, transfers.merge_device)
+    pin = transfers.run_device.type == "cuda"
     c_out: int | None = None
-    for b in range(0, len(tiles), batch_size):
-        batch_tiles = tiles[b : b + batch_size]
-        batch = torch.stack([_read(source, grid, t, pad_mode) for t in batch_tiles])
-        if pin:
-            batch = batch.pin_memory()
-        batch = batch.to(run_device, non_blocking=True)
-        with torch.inference_mode():
-            pred = predictor(batch)
-        pred = _check_output(pred, len(batch_tiles), grid, c_out)
-        c_out = int(pred.shape[1])
-        pred = pred.to(acc_device, torch.float32)
-        logger.debug("batch %d: %d tiles -> %s", b // batch_size, len(batch_tiles), tuple(pred.shape))
-        for k, t in enumerate(batch_tiles):
-            values = pred[k][(slice(None), *t.crop)]
-            if not grid.blended:
-                sink.write(t.write, _reduce(values, reduce))
-            else:
-                if acc is None:
-                    acc = SlabAccumulator(c_out, grid.out_shape, [a.coverage for a in grid.axes],
-                                          acc_device)  # fmt: skip
-                acc.add(t.write, values, _tile_weight(weights, t))
-                row = t.index[0]
-                rows_left[row] -= 1
-                if rows_left[row] == 0 and row + 1 < axis0.n_tiles:
-                    # No local name keeps the released slab alive while the next one is allocated.
-                    _write_slab(sink, *acc.release(axis0.writes[row + 1][0]), reduce)
-                    sink.flush()
-        bar.update(len(batch_tiles))
-    if acc is not None:
-        _write_slab(sink, *acc.finalize(), reduce)
-    sink.flush()
+    in_flight: deque[tuple[Batch, Staged]] = deque()
+    with TileReader(source, grid, pad_mode, batch_size, pin=pin, prefetch=prefetch) as reader:
+        for b, batch in enumerate(reader):
+            if should_stop is not None and should_stop():
+                raise RunCancelledError(
+                    f"stopped by the caller before batch {b} ({b * batch_size} of {grid.n_tiles} tiles done)"
+                )
+            x = transfers.to_device(batch, reader)
+            with torch.inference_mode():
+                pred = predictor(x)
+            pred = _check_output(pred, len(batch.tiles), grid, c_out)
+            c_out = int(pred.shape[1])
+            logger.debug("batch %d: %d tiles -> %s", b, len(batch.tiles), tuple(pred.shape))
+            in_flight.append((batch, transfers.from_device(pred)))
+            while len(in_flight) > transfers.lag:  # on CUDA the next batch is launched first
+                _merge(merger, reader, *in_flight.popleft())
+            bar.update(len(batch.tiles))
+        while in_flight:
+            _merge(merger, reader, *in_flight.popleft())
+    merger.finish()
 
 
-def _read(source: Any, grid: TileGrid, tile: Tile, pad_mode: PaddingMode) -> torch.Tensor:
-    starts = [s - a.pad_lo for s, a in zip(tile.starts, grid.axes, strict=True)]
-    stops = [s + a.tile for s, a in zip(starts, grid.axes, strict=True)]
-    return read_region(source, starts, stops, grid.spatial_shape, pad_mode)
+def _merge(merger: Merger, reader: TileReader, batch: Batch, staged: Staged) -> None:
+    values = staged.wait()
+    for k, tile in enumerate(batch.tiles):
+        merger.add(tile, values[k][(slice(None), *tile.crop)])
+    reader.release(batch)  # after merging: the prediction may be a view of the batch
 
 
 def _check_output(pred: Any, n: int, grid: TileGrid, c_out: int | None) -> torch.Tensor:
@@ -203,34 +243,3 @@ def _check_output(pred: Any, n: int, grid: TileGrid, c_out: int | None) -> torch
             f"for input tiles of shape {(n, '*', *grid.used_tile_shape)}"
         )
     return pred
-
-
-def _weights(grid: TileGrid, device: torch.device) -> list[tuple[torch.Tensor, ...] | None]:
-    return [
-        None if a.weights is None else tuple(torch.from_numpy(w).to(device) for w in a.weights)
-        for a in grid.axes
-    ]
-
-
-def _tile_weight(weights: list[tuple[torch.Tensor, ...] | None], tile: Tile) -> torch.Tensor | None:
-    total: torch.Tensor | None = None
-    ndim = len(weights)
-    for axis, (w, i) in enumerate(zip(weights, tile.index, strict=True)):
-        if w is None:
-            continue
-        shape = [1] * ndim
-        shape[axis] = w[i].shape[0]
-        vec = w[i].reshape(shape)
-        total = vec if total is None else total * vec
-    return total
-
-
-def _reduce(values: torch.Tensor, reduce: Reducer | None) -> torch.Tensor:
-    return values if reduce is None else reduce(values)
-
-
-def _write_slab(sink: Sink, lo: int, region: torch.Tensor, reduce: Reducer | None) -> None:
-    if region.shape[1] == 0:
-        return
-    write = (slice(lo, lo + region.shape[1]),) + tuple(slice(None) for _ in region.shape[2:])
-    sink.write(write, _reduce(region, reduce))

@@ -1,14 +1,33 @@
-"""Tile planning: pure integer arithmetic over shapes, no data.
+"""Tile planning: pure integer arithmetic over shapes, no data and no weights.
 
 Coordinates. Each spatial axis of length ``L`` is planned on a *virtual extent* ``E``: the image,
 plus ``halo`` voxels on both sides when ``border="pad"``, rounded up to a multiple of the alignment.
 Tiles are intervals ``[t, t + T)`` of that extent with ``t`` a multiple of the alignment (the
-network's stride grid). The *core* of a tile is ``[t + halo, t + T - halo)``, extended to the extent
-edge for the first and the last tile (nothing lies beyond, so no output is discarded there). The
-last tile is shifted back to end at the extent edge, so no tail is ever dropped (cf. the
-``(L - k) // s + 1`` window count, which drops it). The *region of interest* (roi) is where the real
-image lies; outputs are written only there. Output coordinates are input coordinates times the
-per-axis ``scale``.
+network's stride grid). The *region of interest* (roi) is where the real image lies; outputs are
+written only there. Output coordinates are input coordinates times the per-axis ``scale``.
+
+Tile count and size. With ``tile_shape`` ``T0``, ``core = T0 - 2 * halo`` and the stride
+``s0 = (core - overlap)`` rounded down to the alignment, an axis needs ``n = ceil((E - T0) / s0) + 1``
+tiles (never the tail-dropping ``(E - T0) // s0 + 1``). Two placements of those ``n`` tiles:
+
+- *sized to the grid* (the default): every tile is the smallest multiple of the alignment
+  ``T <= T0`` for which ``n`` tiles still cover ``E`` (``(n - 1) * stride(T) + T >= E``), and the
+  origins are spread evenly from ``0`` to ``E - T`` on the alignment grid (neighbouring gaps differ
+  by at most one alignment step). Same tile count, fewer voxels through the network.
+- *fixed tile shape* (``fixed_tile_shape=True``, for engines compiled for one input shape, such as
+  TensorRT): every tile is ``T0``; origins are ``0, s0, 2 * s0, ...`` and the last tile is shifted
+  back to end at the extent edge.
+
+Kept region. Neighbouring tiles ``i`` and ``i + 1`` may both keep the *overlap zone*
+``[t[i+1] + halo, t[i] + T - halo)`` (each is at least ``halo`` from its own tile edge there). The
+plan keeps ``overlap`` voxels of that zone, centred in it, so the slack left by the alignment (and by
+the even spread) is split between both tiles instead of being spent on one side: with ``overlap=0``
+the boundary is the zone's midpoint, each tile discarding at least ``halo`` voxels. The first and
+the last tile keep everything up to the extent edge (nothing lies beyond). :attr:`TileGrid.work` is
+the voxels fed to the network divided by the image's voxels.
+
+Blend windows and coverage (floating point) live in :mod:`tiling.blend`; this module only says, per
+tile, which voxels are written and over which span the window lies.
 """
 
 from __future__ import annotations
@@ -19,33 +38,35 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-import numpy as np
-import numpy.typing as npt
-
-from tiling.blend import GAUSSIAN_SIGMA_SCALE, blend_window
 from tiling.errors import CoverageError, GridError
 from tiling.geometry import BlendMode, BorderMode, as_fractions, as_ints, parse_enum
 
 __all__ = ["AxisPlan", "Tile", "TileGrid"]
 
+Span = tuple[int, int]
+
 
 @dataclass(frozen=True, eq=False)
 class AxisPlan:
-    """The plan of one spatial axis.
+    """The plan of one spatial axis (integers only).
 
     Attributes:
         length: image length ``L`` along this axis (voxels).
         extent: virtual extent ``E`` (voxels), a multiple of the alignment.
         pad_lo: virtual index of image voxel 0 (the halo for ``border="pad"``, else 0).
-        tile: tile length ``T`` actually used (``<= tile_shape``; smaller only if the image is).
-        stride: distance between tile origins (voxels; 0 when there is one tile).
+        tile: tile length ``T`` actually used (``<= tile_shape``; see the module docstring).
+        stride: the largest distance between neighbouring tile origins (voxels; 0 for one tile).
         starts: tile origins in virtual coordinates.
         out_length: output length ``ceil(L * scale)``.
         out_tile: ``T * scale``, the length of one predictor output along this axis.
         crops: per tile, ``(lo, hi)`` of the predictor output that is written (output voxels).
         writes: per tile, ``(lo, hi)`` in the output array (output voxels).
-        weights: per tile, the blend weights of the written part (``None``: all ones).
-        coverage: ``(out_length,)`` float32 sum of weights per output voxel (``None``: all ones).
+        windows: per tile, ``(lo, hi)`` in output-array coordinates (may reach beyond the roi) over
+            which the blend window lies (the kept region before clipping to the roi); written
+            voxels outside it get weight 1.
+        flat: per tile, whether the window is flat (weight 1) on its low and high side, because
+            that side lies on the extent edge where no other tile contributes.
+        blended: whether neighbouring writes overlap (``False``: the writes partition the output).
     """
 
     length: int
@@ -56,10 +77,11 @@ class AxisPlan:
     starts: tuple[int, ...]
     out_length: int
     out_tile: int
-    crops: tuple[tuple[int, int], ...]
-    writes: tuple[tuple[int, int], ...]
-    weights: tuple[npt.NDArray[np.float32], ...] | None
-    coverage: npt.NDArray[np.float32] | None
+    crops: tuple[Span, ...]
+    writes: tuple[Span, ...]
+    windows: tuple[Span, ...]
+    flat: tuple[tuple[bool, bool], ...]
+    blended: bool
 
     @property
     def n_tiles(self) -> int:
@@ -89,8 +111,13 @@ class TileGrid:
     """A Cartesian grid of tiles covering an N-D image (use :meth:`plan`).
 
     >>> grid = TileGrid.plan((100,), tile_shape=32, halo=4)
-    >>> grid.axes[0].starts, grid.stride
-    ((0, 24, 48, 68), (24,))
+    >>> grid.used_tile_shape, grid.axes[0].starts, grid.axes[0].writes
+    ((31,), (0, 23, 46, 69), ((0, 27), (27, 50), (50, 73), (73, 100)))
+    >>> round(grid.work, 2)
+    1.24
+    >>> fixed = TileGrid.plan((100,), tile_shape=32, halo=4, fixed_tile_shape=True)
+    >>> fixed.used_tile_shape, fixed.axes[0].starts, round(fixed.work, 2)
+    ((32,), (0, 24, 48, 68), 1.28)
     """
 
     spatial_shape: tuple[int, ...]
@@ -102,6 +129,7 @@ class TileGrid:
     border: BorderMode
     blend: BlendMode
     axes: tuple[AxisPlan, ...]
+    fixed_tile_shape: bool = False
 
     @classmethod
     def plan(
@@ -115,6 +143,7 @@ class TileGrid:
         scale: float | Fraction | Sequence[float | Fraction] = 1,
         border: str | BorderMode = "clip",
         blend: str | BlendMode = "constant",
+        fixed_tile_shape: bool = False,
     ) -> TileGrid:
         """Plan tiles for an image of ``spatial_shape`` voxels.
 
@@ -129,6 +158,11 @@ class TileGrid:
             scale: output voxels per input voxel (2 for 2x upsampling, 0.25 for a stride-4 head).
             border: ``"clip"`` or ``"pad"`` (see :class:`~tiling.geometry.BorderMode`).
             blend: window for overlapping cores (see :class:`~tiling.geometry.BlendMode`).
+            fixed_tile_shape: keep every tile at ``tile_shape`` (origins ``0, s, 2s, ...``, the last
+                one shifted back to the edge) for engines built for one input shape (TensorRT);
+                by default tiles are sized to the grid (same count, smallest aligned size that
+                covers, origins spread evenly). Either way tiles exceed the image only when
+                ``tile_shape`` does, and then shrink to the aligned image.
 
         Raises:
             GridError: a parameter with the wrong number of axes or an invalid value, a halo that
@@ -151,10 +185,11 @@ class TileGrid:
         blend_mode = BlendMode(parse_enum(BlendMode, blend, "blend"))
         axes = tuple(
             _plan_axis(axis, shape[axis], tiles[axis], halos[axis], overlaps[axis], aligns[axis],
-                       scales[axis], border_mode, blend_mode)
+                       scales[axis], border_mode, bool(fixed_tile_shape))
             for axis in range(ndim)
         )  # fmt: skip
-        return cls(shape, tiles, halos, overlaps, aligns, scales, border_mode, blend_mode, axes)
+        return cls(shape, tiles, halos, overlaps, aligns, scales, border_mode, blend_mode, axes,
+                   bool(fixed_tile_shape))  # fmt: skip
 
     @property
     def ndim(self) -> int:
@@ -178,8 +213,14 @@ class TileGrid:
 
     @property
     def used_tile_shape(self) -> tuple[int, ...]:
-        """Tile shape actually fed to the predictor (smaller than asked only for small images)."""
+        """Tile shape actually fed to the predictor (at most ``tile_shape``; see the module docstring)."""
         return tuple(a.tile for a in self.axes)
+
+    @property
+    def work(self) -> float:
+        """Voxels fed to the network divided by the image's voxels (1.0: no redundant work)."""
+        fed = self.n_tiles * math.prod(self.used_tile_shape)
+        return fed / math.prod(self.spatial_shape)
 
     @property
     def out_tile_shape(self) -> tuple[int, ...]:
@@ -194,7 +235,7 @@ class TileGrid:
     @property
     def blended(self) -> bool:
         """Whether cores overlap on some axis, so an accumulator and coverage are needed."""
-        return any(a.weights is not None for a in self.axes)
+        return any(a.blended for a in self.axes)
 
     def tiles(self) -> Iterator[Tile]:
         """Yield every tile in C order (axis 0 slowest), deterministically."""
@@ -211,7 +252,8 @@ class TileGrid:
         return (
             f"n_tiles={self.n_tiles} grid={self.grid_shape} tile_shape={self.used_tile_shape} "
             f"halo={self.halo} stride={self.stride} overlap={self.overlap} blend={self.blend.value} "
-            f"border={self.border.value}"
+            f"border={self.border.value} work={self.work:.2f}"
+            + (" fixed_tile_shape" if self.fixed_tile_shape else "")
         )
 
 
@@ -225,6 +267,61 @@ def _scaled(value: int, scale: Fraction, what: str, axis: int) -> int:
     return int(out)
 
 
+def _place_tiles(
+    axis: int, extent: int, tile: int, halo: int, overlap: int, alignment: int, sized: bool
+) -> tuple[int, list[int]]:
+    """Return ``(used tile, starts)`` for one axis (virtual coordinates); see the module docstring."""
+    if tile >= extent:
+        return extent, [0]
+    if tile % alignment:
+        raise GridError(f"tile_shape[{axis}]={tile} is not a multiple of alignment[{axis}]={alignment}")
+    core = tile - 2 * halo
+    if core <= 0:
+        raise GridError(
+            f"halo[{axis}]={halo} leaves an empty core for tile_shape[{axis}]={tile} "
+            f"(core = tile - 2 * halo = {core})"
+        )
+
+    def stride_of(t: int) -> int:
+        return (t - 2 * halo - overlap) // alignment * alignment
+
+    stride = stride_of(tile)
+    if stride <= 0:
+        raise GridError(
+            f"overlap[{axis}]={overlap} leaves no positive stride for core {core} "
+            f"(tile_shape[{axis}]={tile}, halo[{axis}]={halo}, alignment[{axis}]={alignment})"
+        )
+    n = -(-(extent - tile) // stride) + 1
+    if not sized:
+        return tile, [min(i * stride, extent - tile) for i in range(n)]
+    used = tile
+    while used > alignment and stride_of(used - alignment) > 0:
+        if (n - 1) * stride_of(used - alignment) + used - alignment < extent:
+            break
+        used -= alignment
+    units = (extent - used) // alignment  # spread n - 1 gaps of whole alignment steps evenly
+    return used, [i * units // (n - 1) * alignment for i in range(n)]
+
+
+def _kept_regions(
+    starts: Sequence[int], tile: int, halo: int, overlap: int, extent: int, quantum: int
+) -> list[Span]:
+    """Per tile, the virtual interval whose output it keeps (before clipping to the roi).
+
+    Between tiles ``i`` and ``i + 1`` the kept regions share ``overlap`` voxels (0: they abut) centred
+    in the zone both may keep, with boundaries on multiples of ``quantum`` (one output voxel).
+    """
+    n = len(starts)
+    bounds: list[Span] = []
+    for t0, t1 in itertools.pairwise(starts):
+        zone_lo, zone_hi = t1 + halo, t0 + tile - halo
+        keep = min(overlap, zone_hi - zone_lo)
+        lo = (zone_lo + (zone_hi - zone_lo - keep) // 2) // quantum * quantum
+        hi = min(zone_hi, -(-(lo + keep) // quantum) * quantum)
+        bounds.append((max(lo, zone_lo), hi))
+    return [(0 if i == 0 else bounds[i - 1][0], extent if i == n - 1 else bounds[i][1]) for i in range(n)]
+
+
 def _plan_axis(
     axis: int,
     length: int,
@@ -234,98 +331,70 @@ def _plan_axis(
     alignment: int,
     scale: Fraction,
     border: BorderMode,
-    blend: BlendMode,
+    fixed: bool,
 ) -> AxisPlan:
     pad_lo = halo if border is BorderMode.PAD else 0
-    needed = length + 2 * pad_lo
-    extent = -(-needed // alignment) * alignment
-    if tile >= extent:
-        used, stride, starts = extent, 0, [0]
-    else:
-        if tile % alignment:
-            raise GridError(f"tile_shape[{axis}]={tile} is not a multiple of alignment[{axis}]={alignment}")
-        core = tile - 2 * halo
-        if core <= 0:
-            raise GridError(
-                f"halo[{axis}]={halo} leaves an empty core for tile_shape[{axis}]={tile} "
-                f"(core = tile - 2 * halo = {core})"
-            )
-        stride = (core - overlap) // alignment * alignment
-        if stride <= 0:
-            raise GridError(
-                f"overlap[{axis}]={overlap} leaves no positive stride for core {core} "
-                f"(tile_shape[{axis}]={tile}, halo[{axis}]={halo}, alignment[{axis}]={alignment})"
-            )
-        used = tile
-        n = -(-(extent - tile) // stride) + 1
-        starts = [min(i * stride, extent - tile) for i in range(n)]
-
+    extent = -(-(length + 2 * pad_lo) // alignment) * alignment
+    # Sizing tiles to the grid moves origins and sizes by alignment steps: only where one alignment
+    # step is a whole number of output voxels (otherwise tile edges could fall off the output grid).
+    sized = not fixed and (alignment * scale).denominator == 1
+    used, starts = _place_tiles(axis, extent, tile, halo, overlap, alignment, sized)
     n = len(starts)
-    cores = []
-    for i, t in enumerate(starts):
-        lo = 0 if i == 0 else t + halo
-        hi = extent if i == n - 1 else t + used - halo
-        cores.append((lo, hi))
+    if n > 1:
+        _scaled(halo, scale, "halo", axis)
+    kept = _kept_regions(starts, used, halo, overlap, extent, scale.denominator)
+    blended = overlap > 0 and n > 1
 
     out_lo = _scaled(pad_lo, scale, "halo", axis)
     out_length = math.ceil(length * scale)
     out_tile = _scaled(used, scale, "tile_shape", axis)
-    partition = overlap == 0 or n == 1
-    crops, writes, weights = [], [], []
-    coverage = np.zeros(out_length, dtype=np.float32)
-    kept_starts = []
-    prev_hi = 0
-    for i, (t, (c_lo, c_hi)) in enumerate(zip(starts, cores, strict=True)):
-        w_lo = max(c_lo, prev_hi) if partition else c_lo
-        prev_hi = c_hi
+    kept_starts: list[int] = []
+    crops: list[Span] = []
+    writes: list[Span] = []
+    windows: list[Span] = []
+    flat: list[tuple[bool, bool]] = []
+    for i, (t, (k_lo, k_hi)) in enumerate(zip(starts, kept, strict=True)):
         t_out = _scaled(t, scale, "tile origin", axis)
-        c_lo_out = _scaled(c_lo, scale, "halo", axis)
-        c_hi_out = _scaled(c_hi, scale, "halo", axis)
-        w_lo_out = _scaled(w_lo, scale, "halo", axis)
-        # Clip the written part to the roi, in output coordinates.
-        lo = max(w_lo_out, out_lo)
-        hi = min(c_hi_out, out_lo + out_length)
+        k_lo_out = _scaled(k_lo, scale, "halo", axis)
+        k_hi_out = _scaled(k_hi, scale, "halo", axis)
+        lo, hi = max(k_lo_out, out_lo), min(k_hi_out, out_lo + out_length)  # clip to the roi
         if hi <= lo:
             continue
         kept_starts.append(t)
         crops.append((lo - t_out, hi - t_out))
         writes.append((lo - out_lo, hi - out_lo))
-        if not partition:
-            # The window spans the nominal core [t + halo, t + T - halo); a core extended to the
-            # image border gets weight 1 there (no other tile covers it). Gaussian sigma = tile / 8.
-            nom_lo = t_out + _scaled(halo, scale, "halo", axis)
-            nom_hi = t_out + out_tile - (nom_lo - t_out)
-            window = blend_window(nom_hi - nom_lo, blend, flat_lo=i == 0, flat_hi=i == n - 1,
-                                  sigma=out_tile * GAUSSIAN_SIGMA_SCALE)  # fmt: skip
-            full = np.concatenate([
-                np.ones(nom_lo - c_lo_out, np.float32), window, np.ones(c_hi_out - nom_hi, np.float32)
-            ])  # fmt: skip
-            w = full[lo - c_lo_out : hi - c_lo_out]
-            weights.append(w)
-            coverage[lo - out_lo : hi - out_lo] += w
-    if partition:
-        covered = np.zeros(out_length, dtype=np.int64)
-        for lo, hi in writes:
-            covered[lo:hi] += 1
-        bad = covered != 1
-    else:
-        bad = ~(coverage > 0)
-    if bad.any():  # pragma: no cover - an engine bug, never a user error
-        raise CoverageError(
-            f"axis {axis}: output voxels {np.flatnonzero(bad)[:8].tolist()} are not covered "
-            f"exactly by the plan (length={length}, tile={used}, halo={halo}, overlap={overlap})"
-        )
+        windows.append((k_lo_out - out_lo, k_hi_out - out_lo))
+        flat.append((i == 0, i == n - 1))
+    gaps = [b - a for a, b in itertools.pairwise(kept_starts)]
+    _check_cover(axis, writes, out_length, blended, f"length={length}, tile={used}, halo={halo}")
     return AxisPlan(
         length=length,
         extent=extent,
         pad_lo=pad_lo,
         tile=used,
-        stride=stride,
+        stride=max(gaps, default=0),
         starts=tuple(kept_starts),
         out_length=out_length,
         out_tile=out_tile,
         crops=tuple(crops),
         writes=tuple(writes),
-        weights=None if partition else tuple(weights),
-        coverage=None if partition else coverage,
+        windows=tuple(windows),
+        flat=tuple(flat),
+        blended=blended,
+    )
+
+
+def _check_cover(axis: int, writes: Sequence[Span], out_length: int, blended: bool, what: str) -> None:
+    """Every output voxel is written (exactly once when the writes must partition the output)."""
+    covered = 0  # writes are sorted by start; everything below ``covered`` is written
+    for lo, hi in writes:
+        if lo > covered or (not blended and lo != covered):
+            break
+        covered = max(covered, hi)
+    else:
+        if covered == out_length:
+            return
+    raise CoverageError(  # pragma: no cover - an engine bug, never a user error
+        f"axis {axis}: the plan does not cover output voxels {covered}.. exactly once "
+        f"(writes {list(writes)[:8]}, out_length={out_length}, {what})"
     )

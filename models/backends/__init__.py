@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from models.backends.base import BasePredictor, Predictor, resolve_device
+from models.backends.base import BasePredictor, PoolingContext, Predictor, resolve_device
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
     from models.spec import ModelSpec
 
-__all__ = ["BasePredictor", "Predictor", "load_predictor", "resolve_device"]
+__all__ = ["BasePredictor", "PoolingContext", "Predictor", "load_predictor", "resolve_device"]
 
 
 def load_predictor(

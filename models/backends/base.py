@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -10,7 +12,7 @@ import torch
 from models.errors import InputError
 from models.spec import ModelSpec
 
-__all__ = ["BasePredictor", "Predictor", "resolve_device"]
+__all__ = ["BasePredictor", "PoolingContext", "Predictor", "resolve_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,35 @@ class Predictor(Protocol):
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         """Run one batch ``(B, C_in, *tile)``; returns ``(B, C_out, *(tile * scale))``."""
+        ...
+
+
+@runtime_checkable
+class PoolingContext(Protocol):
+    """A predictor whose global pools can read whole-image statistics instead of the tile's own.
+
+    :meth:`prepare_context` computes the statistics of a preprocessed ``(C_in, *spatial)`` image
+    (tile by tile with ``tile`` and ``halo``, or in one pass when ``tile`` is ``None``); every call
+    of the predictor then uses them until :meth:`clear_context`. :meth:`frozen_context` does both
+    around a block; :meth:`logit_view` is a predictor of the pre-activation output (for probes).
+    """
+
+    def prepare_context(
+        self, x: Any, *, tile: Sequence[int] | None, halo: Sequence[int] | None, batch_size: int = 1
+    ) -> Mapping[str, Any]:
+        """Compute and hold the whole-image statistics of ``x``."""
+        ...
+
+    def clear_context(self) -> None:
+        """Forget them (tiles pool over themselves again)."""
+        ...
+
+    def frozen_context(self, x: Any) -> AbstractContextManager[None]:
+        """Hold the statistics of ``x`` (one whole pass) within a ``with`` block."""
+        ...
+
+    def logit_view(self) -> Any:
+        """A predictor returning the pre-activation output (same metadata)."""
         ...
 
 
@@ -66,7 +97,7 @@ class BasePredictor:
         self.tile_shape = spec.defaults.tile
         self.dtype = torch.float32
         self.device = device
-        self.backend = spec.backend
+        self.backend = spec.backend.value
 
     def describe(self) -> dict[str, Any]:
         """Backend and device facts for logs and ``/readyz``."""

@@ -14,7 +14,7 @@ from torch import nn
 from models.analytic import DEFAULT_SIGMA, DEFAULT_TRUNCATE, AnalyticNet
 from models.backends.base import BasePredictor
 from models.errors import DeviceOutOfMemoryError, InferenceError, SpecError, WeightsError
-from models.spec import ANALYTIC_PARAMS, ModelSpec
+from models.spec import ModelSpec
 from models.weights import load_weights, require_file, verify_checksum
 
 __all__ = ["EagerPredictor", "load_eager_module", "translate_torch_errors"]
@@ -45,16 +45,10 @@ def load_eager_module(spec: ModelSpec) -> nn.Module:
         WeightsError: missing or unreadable file (``ChecksumMismatchError``,
             ``IncompatibleWeightsError`` for the specific cases).
     """
-    where = f"{spec.source} (model {spec.name!r})" if spec.source else f"model {spec.name!r}"
+    where = spec.where
     if spec.backend == "analytic":
         kind = spec.architecture or str(spec.params.get("kind", ""))
-        params = {k: v for k, v in spec.params.items() if k != "kind"}
-        unknown = sorted(str(k) for k in params if k not in ANALYTIC_PARAMS)
-        if unknown:
-            raise SpecError(
-                f"{where}: field 'params.{unknown[0]}' is unknown for an analytic model "
-                f"(allowed: {', '.join(ANALYTIC_PARAMS)})"
-            )
+        params = {k: v for k, v in spec.params.items() if k != "kind"}  # checked by ModelSpec
         try:
             return AnalyticNet(
                 kind,

@@ -8,13 +8,21 @@ Modules: :mod:`~service.client.settings` (flags and ``TILEWISE_*`` fallbacks),
 :mod:`~service.client.plan` (walk and output names; formats by magic bytes with
 :mod:`service.sniff`, shared with the server), :mod:`~service.client.runner` (the run),
 :mod:`~service.client.progress` (bar or log lines), :mod:`~service.client.report`
-(``tilewise-report.json``), :mod:`~service.client.errors`.
+(``tilewise-report.json``), :mod:`~service.client.manifest` (``tilewise-manifest.jsonl``: what was
+completed, verified on resume), :mod:`~service.client.errors`.
 """
 
 from __future__ import annotations
 
 from service.client.api import InferAnswer, TilewiseClient
-from service.client.errors import ClientError, ServerError, TransportFailure, UnknownModelError
+from service.client.errors import (
+    ClientError,
+    Interrupted,
+    OutputDirError,
+    ServerError,
+    TransportFailure,
+    UnknownModelError,
+)
 from service.client.plan import Candidate, discover, output_format, output_relpath
 from service.client.report import REPORT_NAME, FileResult, Status
 from service.client.runner import BatchOptions, BatchOutcome, run_batch
@@ -30,6 +38,8 @@ __all__ = [
     "ClientSettings",
     "FileResult",
     "InferAnswer",
+    "Interrupted",
+    "OutputDirError",
     "ServerError",
     "Status",
     "TilewiseClient",

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from urllib.parse import quote
 
 import httpx
 
-from service.client.errors import ClientError, ServerError, TransportFailure, UnknownModelError
+from service.client.errors import ClientError, Interrupted, ServerError, TransportFailure, UnknownModelError
 from service.client.retry import backoff_delay, parse_retry_after
 from service.client.settings import ClientSettings
 
@@ -57,10 +58,21 @@ class InferAnswer:
     format: str | None = None
 
 
-def _file_chunks(fh: BinaryIO) -> Iterator[bytes]:
-    """Yield a file's bytes in 1 MiB chunks (httpx sends each as it comes)."""
+def _file_chunks(fh: BinaryIO, abort: threading.Event | None = None) -> Iterator[bytes]:
+    """Yield a file's bytes in 1 MiB chunks (httpx sends each as it comes).
+
+    Raises:
+        Interrupted: ``abort`` is set (checked before each chunk).
+    """
     while chunk := fh.read(_CHUNK_BYTES):
+        _check(abort)
         yield chunk
+
+
+def _check(abort: threading.Event | None) -> None:
+    """Raise :class:`Interrupted` when ``abort`` is set."""
+    if abort is not None and abort.is_set():
+        raise Interrupted("interrupted")
 
 
 def _disposition_filename(value: str | None) -> str | None:
@@ -153,7 +165,9 @@ class TilewiseClient:
 
     # -- retry loop -------------------------------------------------------------------------------
 
-    def _with_retries(self, what: str, attempt: Callable[[], _T]) -> tuple[_T, int]:
+    def _with_retries(
+        self, what: str, attempt: Callable[[], _T], abort: threading.Event | None = None
+    ) -> tuple[_T, int]:
         """Call ``attempt`` until it succeeds, a non-retryable error occurs or retries run out.
 
         Returns:
@@ -161,13 +175,17 @@ class TilewiseClient:
 
         Raises:
             ClientError: the last failure, with ``attempts`` set.
+            Interrupted: ``abort`` was set (no retry then).
         """
         retries = self.settings.retries
         for n in range(1, retries + 2):
             try:
+                _check(abort)
                 return attempt(), n
             except ClientError as exc:
                 exc.attempts = n
+                if abort is not None and abort.is_set() and not isinstance(exc, Interrupted):
+                    raise Interrupted(f"interrupted (last attempt: {exc})") from exc
                 if not exc.retryable or n > retries:
                     raise
                 delay = backoff_delay(
@@ -229,11 +247,14 @@ class TilewiseClient:
         params: Mapping[str, str] | None = None,
         *,
         label: str | None = None,
+        abort: threading.Event | None = None,
     ) -> InferAnswer:
         """``POST /v1/models/{model}/infer`` with ``source`` as the raw body; the answer goes to ``dest``.
 
         ``dest`` is overwritten on every attempt and holds the complete answer only when this
         returns; on failure its content is undefined (the caller writes to a temporary name).
+        When ``abort`` is set, the upload and the download stop at the next chunk, no retry is
+        made and ``dest`` is not created any more.
 
         Args:
             source: input file, streamed from disk.
@@ -241,8 +262,10 @@ class TilewiseClient:
             model: model name.
             params: inference query parameters (``tile``, ``halo``, ``format`` ...).
             label: name of the file in retry log lines (default: ``source``'s name).
+            abort: set by another thread to abandon the request.
 
         Raises:
+            Interrupted: ``abort`` was set.
             ServerError: an error answer (after retries for 429/502/503/504).
             TransportFailure: no complete answer through every retry.
             OSError: ``source`` cannot be read or ``dest`` cannot be written.
@@ -256,13 +279,15 @@ class TilewiseClient:
             try:
                 with source.open("rb") as fh:
                     with self._http.stream(
-                        "POST", path, params=query, content=_file_chunks(fh), headers=headers
+                        "POST", path, params=query, content=_file_chunks(fh, abort), headers=headers
                     ) as response:
                         if response.status_code != 200:
                             raise _server_error(response, _read_error_body(response))
                         bytes_out = 0
+                        _check(abort)
                         with dest.open("wb") as out:
                             for chunk in response.iter_bytes(_CHUNK_BYTES):
+                                _check(abort)
                                 out.write(chunk)
                                 bytes_out += len(chunk)
                             out.flush()
@@ -277,5 +302,5 @@ class TilewiseClient:
             except httpx.TransportError as exc:
                 raise TransportFailure(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
 
-        answer, attempts = self._with_retries(label or source.name, attempt)
+        answer, attempts = self._with_retries(label or source.name, attempt, abort)
         return dataclasses.replace(answer, attempts=attempts)

@@ -6,6 +6,8 @@ Hierarchy::
       TransportFailure(ClientError, ConnectionError)   no answer: refused, reset, cut off, timed out
       ServerError(ClientError)                          an HTTP error answer ({"error", "detail"})
         UnknownModelError(ServerError, LookupError)     the server has no model of that name
+      Interrupted(ClientError)                          the run was aborted (second Ctrl-C)
+      OutputDirError(ClientError, OSError)              OUTPUT_DIR cannot be created or written
 
 ``retryable`` tells the retry loop which failures are worth another attempt: every
 :class:`TransportFailure`, and the statuses 429, 502, 503 and 504 (overload, a restarting
@@ -14,7 +16,15 @@ replica behind a load balancer, a gateway timeout).
 
 from __future__ import annotations
 
-__all__ = ["RETRYABLE_STATUSES", "ClientError", "ServerError", "TransportFailure", "UnknownModelError"]
+__all__ = [
+    "RETRYABLE_STATUSES",
+    "ClientError",
+    "Interrupted",
+    "OutputDirError",
+    "ServerError",
+    "TransportFailure",
+    "UnknownModelError",
+]
 
 #: HTTP statuses retried with backoff (``Retry-After`` honoured when the server sends it).
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
@@ -62,3 +72,11 @@ class ServerError(ClientError):
 
 class UnknownModelError(ServerError, LookupError):
     """The server does not serve the requested model (the message lists the ones it has)."""
+
+
+class Interrupted(ClientError):
+    """The request was abandoned because the run is being aborted; nothing was written."""
+
+
+class OutputDirError(ClientError, OSError):
+    """OUTPUT_DIR cannot be created or written (read-only, full, no permission)."""

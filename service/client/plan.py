@@ -1,8 +1,18 @@
 """Which files a batch run sends, and where each output goes (no network, no image decoding).
 
-A file is sent when its content is a format the server reads (:mod:`service.sniff`) or its
-name claims one (``.nii``, ``.nii.gz``, ``.png``, ``.jpg``, ``.jpeg``, ``.tif``, ``.tiff``), so a
-corrupt scan is reported with the server's error instead of vanishing silently. ``--pattern``
+A file is sent when its content is a format the server reads (:mod:`service.sniff`) or, when its
+content is unknown, its name claims one (``.nii``, ``.nii.gz``, ``.png``, ``.jpg``, ``.jpeg``,
+``.tif``, ``.tiff``), so a corrupt scan is reported with the server's error instead of vanishing
+silently. DICOM (``DICM`` at byte 128, whatever the name) is never sent: it is listed as skipped
+with what to do instead.
+
+Every path the walk meets is in the result, so the report lists every input:
+
+- **Symlinks** (to a file or a folder) are followed only when their fully resolved target stays
+  inside INPUT_DIR. A link leaving INPUT_DIR, a dangling link and a link to a folder that contains
+  it (a loop) are listed as ``skipped`` with the reason; nothing outside INPUT_DIR is ever read.
+- Anything that is not a regular file (FIFO, socket, device) is listed as ``skipped``; a file that
+  cannot be read is listed as ``failed`` with the error. ``--pattern``
 globs narrow the walk first. Names starting with ``.`` (temporary outputs, ``.git``) are never
 walked, nor is OUTPUT_DIR when it lies inside INPUT_DIR.
 
@@ -24,13 +34,14 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from service._options import FORMAT_SUFFIXES
-from service.sniff import sniff_file
+from service.sniff import KINDS, sniff_file
 
 __all__ = [
     "FORMAT_SUFFIXES",
     "Candidate",
     "discover",
     "glob_to_regex",
+    "inside",
     "output_format",
     "output_relpath",
 ]
@@ -57,8 +68,11 @@ class Candidate:
         path: the file on disk.
         rel: its path relative to INPUT_DIR (POSIX separators).
         size_bytes: file size.
-        kind: what its content is (``nifti``, ``png``, ``jpeg``, ``tiff``), else ``None``.
+        kind: what its content is (``nifti``, ``png``, ``jpeg``, ``tiff``, or ``dicom`` which the
+            server does not read), else ``None``.
         claimed_kind: what its name says it is, else ``None``.
+        skipped: why the walk did not read it (a symlink leaving INPUT_DIR ...), else ``None``.
+        unreadable: the error met reading it, else ``None``.
     """
 
     path: Path
@@ -66,11 +80,17 @@ class Candidate:
     size_bytes: int
     kind: str | None
     claimed_kind: str | None
+    skipped: str | None = None
+    unreadable: str | None = None
 
     @property
     def sendable(self) -> bool:
         """Whether the server should see this file (by content, or by name when content is unknown)."""
-        return self.kind is not None or self.claimed_kind is not None
+        if self.skipped is not None or self.unreadable is not None:
+            return False
+        if self.kind is not None:
+            return self.kind in KINDS
+        return self.claimed_kind is not None
 
     @property
     def effective_kind(self) -> str | None:
@@ -121,20 +141,62 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out) + r"\Z")
 
 
-def _walk(root: Path, *, recursive: bool, exclude: Path | None) -> list[Path]:
-    """Regular files under ``root`` (sorted; hidden names and ``exclude`` skipped)."""
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        dirnames[:] = sorted(
-            d
-            for d in dirnames
-            if recursive and not d.startswith(".") and (exclude is None or (here / d).resolve() != exclude)
-        )
-        for name in sorted(filenames):
-            path = here / name
-            if not name.startswith(".") and path.is_file():
-                found.append(path)
+_UNREADABLE = "cannot read: "
+
+
+def inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is ``root`` or below it (both already resolved)."""
+    return os.path.commonpath([os.fspath(path), os.fspath(root)]) == os.fspath(root)
+
+
+def _walk(root: Path, *, recursive: bool, exclude: Path | None) -> list[tuple[Path, str | None]]:
+    """Every non-hidden entry under ``root`` (sorted), each with why it is not read (``None``: read).
+
+    Symlinks are followed when their resolved target stays inside ``root`` (folders too, unless
+    the target contains the link: a loop). Folders are walked only with ``recursive``.
+    """
+    real_root = os.path.realpath(root)
+    found: list[tuple[Path, str | None]] = []
+
+    def walk(folder: Path, real_folder: str) -> None:
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            found.append((folder, f"{_UNREADABLE}{type(exc).__name__}: {exc.strerror or exc}"))
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = Path(entry.path)
+            if entry.is_symlink():
+                target = os.path.realpath(path)
+                if not os.path.exists(target):
+                    found.append((path, "dangling symlink (or a symlink loop): its target does not exist"))
+                    continue
+                if not inside(target, real_root):
+                    found.append((path, f"symlink leaving INPUT_DIR (to {target}): not followed"))
+                    continue
+                if os.path.isdir(target):
+                    if not recursive:
+                        continue  # like any folder without -r
+                    if inside(real_folder, target):
+                        found.append((path, "symlink to a folder that contains it (a loop): not followed"))
+                        continue
+                    if exclude is not None and target == os.fspath(exclude):
+                        continue
+                    walk(path, target)
+                    continue
+                found.append((path, None if os.path.isfile(target) else "not a regular file"))
+            elif entry.is_dir(follow_symlinks=False):
+                real = os.path.realpath(path)
+                if recursive and (exclude is None or real != os.fspath(exclude)):
+                    walk(path, real)
+            elif entry.is_file(follow_symlinks=False):
+                found.append((path, None))
+            else:
+                found.append((path, "not a regular file (FIFO, socket or device)"))
+
+    walk(root, real_root)
     return found
 
 
@@ -156,24 +218,35 @@ def discover(
         exclude: a folder not to walk (the output folder when it lies inside ``input_dir``).
 
     Returns:
-        every matching file, sendable or not, sorted by relative path.
+        every matching entry, sendable or not (symlinks not followed and unreadable files
+        included, with the reason), sorted by relative path.
     """
     regexes = [glob_to_regex(p) for p in patterns]
     recursive = recursive or any("/" in p or "**" in p for p in patterns)
-    excluded = exclude.resolve() if exclude is not None else None
+    excluded = Path(os.path.realpath(exclude)) if exclude is not None else None
     candidates = []
-    for path in _walk(input_dir, recursive=recursive, exclude=excluded):
+    for path, skipped in _walk(input_dir, recursive=recursive, exclude=excluded):
         rel = PurePosixPath(path.relative_to(input_dir).as_posix())
-        if regexes and not any(r.match(str(rel)) for r in regexes):
+        is_folder_link = skipped is not None and path.is_symlink() and os.path.isdir(path)
+        if regexes and not is_folder_link and not any(r.match(str(rel)) for r in regexes):
+            continue
+        claimed = _claimed_kind(path.name)[1]
+        if skipped is not None and skipped.startswith(_UNREADABLE):
+            candidates.append(Candidate(path, rel, 0, None, claimed, unreadable=skipped))
+            continue
+        if skipped is not None:
+            candidates.append(Candidate(path, rel, 0, None, claimed, skipped=skipped))
             continue
         try:
             kind = sniff_file(path)
             size = path.stat().st_size
         except OSError as exc:
-            logger.warning("%s: cannot read (%s); skipped", rel, exc)
+            logger.warning("%s: cannot read (%s)", rel, exc)
+            error = f"{_UNREADABLE}{type(exc).__name__}: {exc.strerror or exc}"
+            candidates.append(Candidate(path, rel, 0, None, claimed, unreadable=error))
             continue
-        candidates.append(Candidate(path, rel, size, kind, _claimed_kind(path.name)[1]))
-    return candidates
+        candidates.append(Candidate(path, rel, size, kind, claimed))
+    return sorted(candidates, key=lambda c: str(c.rel))
 
 
 def output_format(

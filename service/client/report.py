@@ -5,12 +5,13 @@ Schema (DESIGN "Interfaces in detail"; extra keys may be added, none removed)::
     {"files": [{"input", "output", "status": "done"|"skipped"|"failed", "seconds", "error",
                 "attempts", "bytes_in", "bytes_out"}],
      "summary": {"done", "skipped", "failed", "seconds", "files_per_s"},
-     "model", "url", "input_dir", "output_dir", "params"}
+     "model", "url", "input_dir", "output_dir", "params", "manifest", "interrupted"}
 
 ``input`` is relative to ``input_dir`` and ``output`` to ``output_dir`` (POSIX separators);
 ``output`` names a file that exists (written now, or found by a resumed run), else ``null``.
 ``error`` is the server's ``"HTTP <status> <code>: <detail>"``, a connection failure, or why a file
-was skipped (unsupported content, output already present).
+was skipped (unsupported content or DICOM, a symlink not followed, output verified by the
+manifest, interrupted before it was sent). ``interrupted`` is true after Ctrl-C.
 """
 
 from __future__ import annotations

@@ -1,36 +1,58 @@
 """Input decoding and output encoding, shared by the server and ``tilewise infer``.
 
 Formats are detected by content (:mod:`service.sniff`), never by file name:
-NIfTI-1 / NIfTI-2 (``.nii``, ``.nii.gz``), PNG, JPEG and TIFF. Outputs are written as ``nii.gz``,
-``nii``, ``png``, ``tiff`` or ``npy``, keeping the input's grid (and NIfTI geometry).
+NIfTI-1 / NIfTI-2 (``.nii``, ``.nii.gz``), PNG, JPEG and TIFF; DICOM is recognized and refused
+(415) with advice. Outputs are written as ``nii.gz``, ``nii``, ``png``, ``tiff`` or ``npy``, keeping
+the input's grid (and NIfTI geometry).
 
-Imports numpy, nibabel, Pillow and tifffile; never torch or FastAPI.
+Two steps, so that nothing large is decoded to find out that it should not have been:
+
+- :func:`probe` reads the header only (NIfTI header, PNG ``IHDR``, Pillow's lazy open, tifffile's
+  page shapes) and returns a :class:`Probe`: spatial shape, channels, dtype, whether it is 3D,
+  bytes once decompressed. :meth:`Probe.check_limits` and :meth:`Probe.check_model` refuse a file
+  that is too large or of the wrong dimensionality for a model from that header alone.
+- :func:`decode` probes, checks the limits, then reads the voxels.
+
+Error details name the input as "the input", never by its path on the server.
+
+Imports numpy, nibabel, Pillow and tifffile (imagecodecs for 16-bit colour PNG); never torch or
+FastAPI.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from service.codecs.images import configure_pillow, decode_image, encode_npy, encode_png, encode_tiff
-from service.codecs.nifti import decode_nifti, encode_nifti
-from service.codecs.volume import OUTPUT_FORMATS, DecodedVolume
-from service.errors import BadParameterError, EmptyBodyError, UnsupportedMediaTypeError
-from service.sniff import KINDS, Sniffed, sniff
+from service.codecs.images import (
+    configure_pillow,
+    decode_image,
+    encode_npy,
+    encode_png,
+    encode_tiff,
+    probe_image,
+)
+from service.codecs.nifti import decode_nifti, encode_nifti, probe_nifti
+from service.codecs.volume import OUTPUT_FORMATS, DecodedVolume, Probe
+from service.errors import BadParameterError, EmptyBodyError, ServiceError, UnsupportedMediaTypeError
+from service.sniff import DICOM_ADVICE, KINDS, Sniffed, sniff
 
 __all__ = [
     "KINDS",
     "OUTPUT_FORMATS",
     "DecodedVolume",
+    "Probe",
     "Sniffed",
     "check_format",
     "configure_pillow",
     "decode",
     "default_format",
     "encode",
+    "probe",
     "sniff",
 ]
 
@@ -43,26 +65,24 @@ _ENCODERS: dict[str, Callable[[DecodedVolume, np.ndarray, Path], None]] = {
     "tiff": encode_tiff,
     "npy": encode_npy,
 }
+# Absolute paths (two components or more) that a foreign library put into its message.
+_PATH_RE = re.compile(r"(?<![\w.])/(?:[^\s/'\"<>:]+/)+[^\s/'\"<>:,)]*")
 
 
-def decode(
-    path: str | Path, *, max_voxels: int | None = None, max_image_pixels: int | None = None
-) -> DecodedVolume:
-    """Read an image or volume, detecting its format by content.
+def _scrub(message: str, path: Path) -> str:
+    """``message`` without the server's file paths (the input's, or any other absolute one)."""
+    for known in sorted({str(path), str(path.resolve()), str(path.parent)}, key=len, reverse=True):
+        message = message.replace(known, "the input")
+    return _PATH_RE.sub("<path>", message)
 
-    Args:
-        path: the file (its name and suffix are ignored).
-        max_voxels: refuse images with more voxels (checked from the header, before decoding).
-        max_image_pixels: refuse 2D images with more pixels (decompression-bomb limit).
+
+def _sniffed(path: Path) -> Sniffed:
+    """The detected format of a readable input.
 
     Raises:
         EmptyBodyError: the file is empty.
-        UnsupportedMediaTypeError: the content is no supported format.
-        PayloadTooLargeError: beyond ``max_voxels`` / ``max_image_pixels``.
-        DecodeError: a recognized but corrupt or truncated file.
-        UnusableInputError: a readable file tilewise cannot represent (e.g. complex NIfTI).
+        UnsupportedMediaTypeError: not a format tilewise reads (DICOM: with what to do instead).
     """
-    path = Path(path)
     if path.stat().st_size == 0:
         raise EmptyBodyError("the input is empty (0 bytes)")
     sniffed = sniff(path)
@@ -70,9 +90,76 @@ def decode(
         raise UnsupportedMediaTypeError(
             "unrecognized content: expected NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG or TIFF"
         )
-    if sniffed.kind == "nifti":
-        return decode_nifti(path, sniffed, max_voxels=max_voxels)
-    return decode_image(path, sniffed, max_voxels=max_voxels, max_image_pixels=max_image_pixels)
+    if sniffed.kind == "dicom":
+        raise UnsupportedMediaTypeError(f"the input is a DICOM file. {DICOM_ADVICE}")
+    return sniffed
+
+
+def probe(path: str | Path) -> Probe:
+    """What the file at ``path`` declares, from its header alone: no voxel is decoded.
+
+    Costs a few hundred bytes of reading for NIfTI (inflated from the start of a ``.nii.gz``) and
+    PNG, Pillow's lazy open for JPEG, and tifffile's page index for TIFF.
+
+    Returns:
+        a :class:`Probe` (``spatial_shape``, ``channels``, ``dtype``, ``is_3d``, ``nbytes`` ...); call
+        its ``check_limits(max_voxels=..., max_image_pixels=..., max_bytes=...)`` and
+        ``check_model(spatial_dims, model_name)`` to refuse the request before decoding.
+
+    Raises:
+        EmptyBodyError: the file is empty.
+        UnsupportedMediaTypeError: not a supported format (DICOM included).
+        DecodeError: a corrupt or truncated header, or an axis of length 0.
+        UnusableInputError: a readable header tilewise cannot run (complex NIfTI, 5D TIFF ...).
+    """
+    path = Path(path)
+    try:
+        sniffed = _sniffed(path)
+        if sniffed.kind == "nifti":
+            return probe_nifti(path, sniffed)
+        return probe_image(path, sniffed)
+    except ServiceError as exc:
+        exc.args = tuple(_scrub(str(a), path) if isinstance(a, str) else a for a in exc.args)
+        raise
+
+
+def decode(
+    path: str | Path,
+    *,
+    max_voxels: int | None = None,
+    max_image_pixels: int | None = None,
+    max_bytes: int | None = None,
+) -> DecodedVolume:
+    """Read an image or volume, detecting its format by content.
+
+    Every limit is checked from the header (:func:`probe`) before anything is decoded.
+
+    Args:
+        path: the file (its name and suffix are ignored).
+        max_voxels: refuse images with more voxels (times channels).
+        max_image_pixels: refuse 2D images (or TIFF pages) with more pixels per plane
+            (decompression-bomb limit).
+        max_bytes: refuse inputs whose samples take more bytes once decompressed (the server
+            passes its upload limit, so that a ``.nii.gz`` cannot inflate past it).
+
+    Raises:
+        EmptyBodyError: the file is empty.
+        UnsupportedMediaTypeError: the content is no supported format (DICOM included).
+        PayloadTooLargeError: beyond ``max_voxels`` / ``max_image_pixels`` / ``max_bytes``.
+        DecodeError: a recognized but corrupt or truncated file (malformed header included).
+        UnusableInputError: a readable file tilewise cannot represent (e.g. complex NIfTI).
+    """
+    path = Path(path)
+    try:
+        sniffed = _sniffed(path)
+        if sniffed.kind == "nifti":
+            return decode_nifti(path, sniffed, max_voxels=max_voxels, max_bytes=max_bytes)
+        return decode_image(
+            path, sniffed, max_voxels=max_voxels, max_image_pixels=max_image_pixels, max_bytes=max_bytes
+        )
+    except ServiceError as exc:
+        exc.args = tuple(_scrub(str(a), path) if isinstance(a, str) else a for a in exc.args)
+        raise
 
 
 def default_format(volume: DecodedVolume, output: str) -> str:

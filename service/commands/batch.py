@@ -1,12 +1,15 @@
 """``tilewise batch``: run every image or volume of a folder through a tilewise server.
 
 The output tree mirrors the input tree, each output with the suffix of its format
-(``a/b/scan.nii.gz`` -> ``a/b/scan.nii.gz``, ``x/page.jpg`` -> ``x/page.tiff`` or ``.png``). Each
-output appears under its final name only when complete; a re-run skips outputs that exist. At the
-end a summary goes to stdout and ``OUTPUT_DIR/tilewise-report.json`` lists every input.
+(``a/b/scan.nii.gz`` -> ``a/b/scan.nii.gz``, ``x/page.jpg`` -> ``x/page.tiff`` or ``.png``), never
+outside OUTPUT_DIR. Symlinks are followed only when their target stays inside INPUT_DIR. Each
+output appears under its final name only when complete, and is recorded (size, SHA-256) in
+``OUTPUT_DIR/tilewise-manifest.jsonl``; a re-run skips inputs whose record verifies. At the end a
+summary goes to stdout and ``OUTPUT_DIR/tilewise-report.json`` lists every input. Ctrl-C once:
+finish the files in flight; twice: abort them.
 
 Exit status: 0 when no file failed, 1 when some did, 2 when the run could not start (bad
-arguments, unknown model, wrong API key), 130 when interrupted.
+arguments, unknown model, wrong API key, OUTPUT_DIR not writable), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -17,26 +20,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service._options import BLENDS, FORMATS, OUTPUTS, argparse_number
+from service._options import add_param_options, argparse_number, param_values
 
 logger = logging.getLogger(__name__)
 
 _positive_int = argparse_number(int, 1)
 _non_negative_int = argparse_number(int, 0)
 _positive_float = argparse_number(float, 0.0, strict=True)
-
-
-def _int_tuple(text: str) -> str:
-    """An int or comma-separated ints (``64`` or ``128,128,64``), kept as text for the query."""
-    parts = text.split(",")
-    if not all(p.strip().isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or comma-separated integers")
-    return ",".join(p.strip() for p in parts)
-
-
-def _halo(text: str) -> str:
-    """``auto`` or :func:`_int_tuple`."""
-    return "auto" if text.strip().lower() == "auto" else _int_tuple(text)
 
 
 def register(sub: Any) -> None:
@@ -79,29 +69,28 @@ def register(sub: Any) -> None:
         action="store_true",
         help="walk subfolders (implied by a pattern with '/' or '**')",
     )
-    sel.add_argument("--overwrite", action="store_true", help="redo outputs that already exist")
+    sel.add_argument(
+        "--overwrite", action="store_true", help="redo every output, even those the manifest verifies"
+    )
     sel.add_argument(
         "--progress",
         choices=("auto", "bar", "log"),
         default="auto",
         help="a progress bar (on a terminal by default) or one log line per file",
     )
-    inf = parser.add_argument_group("inference (sent as query parameters; default: the model's)")
-    inf.add_argument("--tile", type=_int_tuple, help="tile shape, voxels: 64 or 128,128,64")
-    inf.add_argument("--halo", type=_halo, help="halo, voxels, or 'auto'")
-    inf.add_argument("--halo-tolerance", type=_positive_float, help="error accepted by halo=auto")
-    inf.add_argument("--overlap", type=_int_tuple, help="voxels shared by neighbouring cores")
-    inf.add_argument("--blend", choices=BLENDS, help="blend window")
-    inf.add_argument("--batch-size", type=_positive_int, help="tiles per forward pass")
-    inf.add_argument("--output", choices=OUTPUTS, help="probabilities or labels")
-    inf.add_argument("--format", choices=FORMATS, help="output format (default follows the input)")
+    add_param_options(parser.add_argument_group("inference (sent as query parameters; default: the model's)"))
     parser.set_defaults(run=_run)
 
 
 def query_params(args: argparse.Namespace) -> dict[str, str]:
-    """The inference options given on the command line, as HTTP query parameters."""
-    names = ("tile", "halo", "halo_tolerance", "overlap", "blend", "batch_size", "output", "format")
-    return {name: str(getattr(args, name)) for name in names if getattr(args, name) is not None}
+    """The inference options given on the command line, validated, as HTTP query parameters.
+
+    Raises:
+        ParamError: an invalid value (the message names the option and the value).
+    """
+    from models.params import parse_params
+
+    return parse_params(param_values(args)).to_query()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -137,11 +126,16 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 logger.error("%s: %s", field, err["msg"])
         return 2
+    try:
+        params = query_params(args)
+    except ValueError as exc:
+        logger.error("batch not started: %s", exc)
+        return 2
     options = BatchOptions(
         input_dir=args.input_dir,
         output_dir=args.output_dir,
         model=args.model,
-        params=query_params(args),
+        params=params,
         patterns=tuple(args.pattern),
         recursive=args.recursive,
         overwrite=args.overwrite,

@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
             )
             return 2
         spec = model.spec
-        tile = args.tile or spec.defaults.tile
+        tile = args.tile or model.plan([1] * spec.spatial_dims).tile  # the spec's default tile
         if len(tile) == 1:
             tile = tile * spec.spatial_dims
         if len(tile) != spec.spatial_dims:

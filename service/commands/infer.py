@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from service._options import BLENDS, FORMAT_SUFFIXES, FORMATS, OUTPUTS
+from service._options import FORMAT_SUFFIXES, add_param_options, param_values
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,9 @@ def register(sub: Any) -> None:
     parser.add_argument("input", type=Path, help="input file: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG or TIFF")
     parser.add_argument("output", type=Path, help="output file")
     parser.add_argument("--model", required=True, help="model name (see GET /v1/models)")
-    parser.add_argument("--tile", help="tile per axis in voxels: 128 or 128,128,64")
-    parser.add_argument("--halo", help="discarded margin per side in voxels, per axis, or 'auto'")
-    parser.add_argument("--halo-tolerance", help="max truncation error accepted by --halo auto")
-    parser.add_argument("--overlap", help="voxels shared by neighbouring tile cores")
-    parser.add_argument("--blend", help=f"blend window: {', '.join(BLENDS)}")
-    parser.add_argument("--batch-size", help="tiles per forward pass")
-    parser.add_argument("--output", dest="output_kind", help=f"output kind: {' or '.join(OUTPUTS)}")
-    parser.add_argument("--format", help=f"{', '.join(FORMATS)} (default: from OUTPUT's suffix)")
+    add_param_options(
+        parser.add_argument_group("inference (default: the model's; --format: OUTPUT's suffix)")
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: TILEWISE_DEVICE or auto)")
     parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar over tiles")
@@ -57,26 +52,17 @@ def format_from_suffix(path: Path) -> str | None:
 
 def _run(args: argparse.Namespace) -> int:
     from models import ModelError, ModelRepository
+    from models.params import parse_params
     from service.codecs import configure_pillow
     from service.errors import ServiceError
-    from service.params import parse_params
-    from service.pipeline import run_file
+    from service.pipeline import Limits, run_file
     from service.settings import Settings
     from tiling import TilingError
 
     overrides = {"models_dir": args.models, "device": args.device}
     settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     configure_pillow(settings.max_image_pixels)
-    raw = {
-        "tile": args.tile,
-        "halo": args.halo,
-        "halo_tolerance": args.halo_tolerance,
-        "overlap": args.overlap,
-        "blend": args.blend,
-        "batch_size": args.batch_size,
-        "output": args.output_kind,
-        "format": args.format or format_from_suffix(args.output),
-    }
+    raw: dict[str, str | None] = {"format": format_from_suffix(args.output), **param_values(args)}
     if not args.input.is_file():
         logger.error("input %s is not a file", args.input)
         return 2
@@ -86,7 +72,8 @@ def _run(args: argparse.Namespace) -> int:
         params = parse_params(raw)
         model = ModelRepository(settings.models_dir, device=settings.device).get(args.model)
         target.parent.mkdir(parents=True, exist_ok=True)
-        result = run_file(model, args.input, stem, params, max_image_pixels=settings.max_image_pixels)
+        limits = Limits(max_image_pixels=settings.max_image_pixels)
+        result = run_file(model, args.input, stem, params, limits=limits, progress=args.progress)
         os.replace(result.path, target)
     except (ServiceError, ModelError, TilingError) as exc:
         logger.error("infer failed: %s", exc)
@@ -95,12 +82,13 @@ def _run(args: argparse.Namespace) -> int:
         for suffix in FORMAT_SUFFIXES.values():  # a failed write leaves no partial output behind
             stem.with_name(stem.name + suffix).unlink(missing_ok=True)
     logger.info(
-        "wrote %s (%s, %s %s, shape %s) in %.2f s",
+        "wrote %s (%s, %s %s, shape %s; plan %s) in %.2f s",
         target,
         result.format,
         result.output_kind,
         result.output_dtype,
         result.output_shape,
+        result.plan.header(),
         result.seconds,
     )
     return 0

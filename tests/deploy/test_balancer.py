@@ -25,6 +25,8 @@ from scipy import ndimage
 
 from ._infra import NGINX_CONF, Cluster, Instance
 
+pytestmark = pytest.mark.slow  # heavy: run with -m slow
+
 SMALL_MODEL = "gaussian-3d"
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy import ndimage as ndi
 
-from models import InferenceOptions, InputError, ModelRepository
+from models import InferenceParams, InputError, ModelRepository
 from models.analytic import AnalyticNet, analytic_radius, gaussian_kernel1d
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def test_sigma_parameter_changes_radius() -> None:
 def test_tiled_gaussian_3d_on_mni152(repo: ModelRepository, mni152: np.ndarray) -> None:
     """Acceptance: tiled gaussian-3d on the real MNI152 T1 equals scipy within 1e-4, borders included."""
     model = repo.get("gaussian-3d")
-    got = model.run(mni152[None], InferenceOptions(tile=(96, 128, 96), batch_size=1))
+    got = model.run(mni152[None], InferenceParams(tile=(96, 128, 96), batch_size=1))
     expected = ndi.gaussian_filter(mni152, sigma=2.0, truncate=4.0, mode="constant")
     assert got.shape == (1, *mni152.shape) and got.dtype == np.float32
     err = float(np.abs(got[0] - expected).max())
@@ -80,7 +80,7 @@ def test_tiled_gaussian_3d_on_mni152(repo: ModelRepository, mni152: np.ndarray) 
 def test_tiled_sobel_2d_on_radiograph(repo: ModelRepository, radiograph: np.ndarray) -> None:
     """Acceptance: tiled sobel-2d on the real radiograph RG1_UNCR.dcm matches scipy within 1e-4."""
     x = radiograph / np.float32(radiograph.max())  # unit range: the tolerance is for unit-range data
-    got = repo.get("sobel-2d").run(x[None], InferenceOptions(tile=256, overlap=8, blend="hann"))
+    got = repo.get("sobel-2d").run(x[None], InferenceParams(tile=256, overlap=8, blend="hann"))
     err = float(np.abs(got[0] - oracle("sobel", x)).max())
     logger.info("sobel-2d RG1_UNCR %s: max abs diff %.3g", x.shape, err)
     assert err <= 1e-4
@@ -89,7 +89,7 @@ def test_tiled_sobel_2d_on_radiograph(repo: ModelRepository, radiograph: np.ndar
 def test_tiled_log_2d_halo_auto(repo: ModelRepository, rng: np.random.Generator) -> None:
     x = rng.random((300, 257), dtype=np.float32)
     model = repo.get("log-2d")
-    got = model.run(x[None], InferenceOptions(tile=64, halo="auto", halo_tolerance=1e-4))
+    got = model.run(x[None], InferenceParams(tile=64, halo="auto", halo_tolerance=1e-4))
     assert np.abs(got[0] - oracle("log", x)).max() <= 1e-4
     calibration = model.calibrate((64, 64), 1e-4)
     assert calibration.met and calibration.halo <= 8
@@ -115,6 +115,6 @@ def test_wrong_channels_and_dims(repo: ModelRepository) -> None:
 def test_labels_output(repo: ModelRepository) -> None:
     x = np.zeros((1, 40, 40), dtype=np.float32)
     x[0, 10:30, 10:30] = 10.0
-    labels = repo.get("gaussian-2d").run(x, InferenceOptions(tile=32, output="labels"))
+    labels = repo.get("gaussian-2d").run(x, InferenceParams(tile=32, output="labels"))
     assert labels.shape == (40, 40) and labels.dtype == np.uint8
     assert labels[20, 20] == 1 and labels[0, 0] == 0

@@ -16,7 +16,7 @@ import torch
 import yaml
 from torch import nn
 
-from models import InferenceOptions, ModelRepository
+from models import InferenceParams, ModelRepository
 from models.backends.ort import choose_providers
 from models.errors import BackendUnavailableError
 from models.export import export_onnx, export_torchscript
@@ -93,7 +93,7 @@ def test_backends_give_the_same_tiled_output(unet_dir: Path, rng: np.random.Gene
     """Acceptance: eager, TorchScript and ONNX tiled outputs agree within 1e-4 (float32 rounding)."""
     repo = ModelRepository(unet_dir, device="cpu")
     x = rng.standard_normal((1, 28, 36, 20)).astype(np.float32)
-    options = InferenceOptions(tile=(16, 24, 12), halo=2, overlap=4, blend="gaussian")
+    options = InferenceParams(tile=(16, 24, 12), halo=2, overlap=4, blend="gaussian")
     outputs = {name: repo.get(name).run(x, options) for name in ("unet-eager", "unet-ts", "unet-eager-onnx")}
     eager = outputs["unet-eager"]
     assert eager.shape == (2, 28, 36, 20)
@@ -102,7 +102,7 @@ def test_backends_give_the_same_tiled_output(unet_dir: Path, rng: np.random.Gene
         err = float(np.abs(outputs[name] - eager).max())
         logger.info("tiled U-Net %s vs eager: max abs diff %.3g", name, err)
         assert err <= 1e-4
-    labels = repo.get("unet-eager-onnx").run(x, InferenceOptions(tile=(16, 24, 12), halo=2, output="labels"))
+    labels = repo.get("unet-eager-onnx").run(x, InferenceParams(tile=(16, 24, 12), halo=2, output="labels"))
     assert labels.shape == x.shape[1:] and labels.dtype == np.uint8
 
 

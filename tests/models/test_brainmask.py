@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import numpy as np
 import pytest
 
-from models import ChecksumMismatchError, InferenceOptions, InputError, ModelRepository, WeightsError
+from models import ChecksumMismatchError, InferenceParams, InputError, ModelRepository, WeightsError
 from models.brainmask import (
     BRAIN_MASK_FILE,
     BRAIN_MASK_NAME,
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 DEEPBET_BOX = ((13, 183), (11, 225), (0, 168))
 #: The tiled plan for a smaller memory budget: 8 tiles of 224^3 (peak ~490 MB on the CPU
 #: against ~660 MB for the 256^3 frame).
-TILED = InferenceOptions(tile=224, overlap=56, halo=0, blend="gaussian")
+TILED = InferenceParams(tile=224, overlap=56, halo=0, blend="gaussian")
 
 
 def unavailable(reason: str) -> NoReturn:

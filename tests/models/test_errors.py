@@ -137,17 +137,17 @@ def test_analytic_param_typo_is_refused_at_load(tmp_path: Path) -> None:
 
 def test_analytic_param_of_wrong_type(tmp_path: Path) -> None:
     _write_spec(tmp_path, backend="analytic", architecture="gaussian", out_channels=1, params={"sigma": "2"})
-    with pytest.raises(SpecError, match="'sigma' must be int or float"):
+    with pytest.raises(SpecError, match="'params.sigma' must be int or float"):
         ModelRepository(tmp_path)
 
 
 def test_analytic_param_typo_in_a_spec_built_in_code() -> None:
-    """A ModelSpec made without spec_from_mapping still meets the backend's own check."""
-    import dataclasses
+    """A ModelSpec built in code is validated by the same schema as a spec file."""
+    from pydantic import ValidationError
 
-    from models.backends import load_predictor
+    from models import ModelSpec
 
     spec = ModelRepository("/nonexistent-tilewise-models").spec("gaussian-2d")
-    bad = dataclasses.replace(spec, params={"sigma": 2.0, "sgima": 3.0})
-    with pytest.raises(SpecError, match=r"gaussian-2d.*'params\.sgima' is unknown"):
-        load_predictor(bad, "cpu")
+    fields = {**spec.model_dump(exclude={"source"}), "params": {"sigma": 2.0, "sgima": 3.0}}
+    with pytest.raises(ValidationError, match=r"'params\.sgima' is unknown; did you mean 'sigma'"):
+        ModelSpec(**fields)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import InferenceOptions, InputError, ModelRepository, spec_from_mapping
+from models import InferenceParams, InputError, ModelRepository, spec_from_mapping
 from models.preprocess import make_reduce, preprocess
 
 
@@ -73,7 +73,7 @@ def test_run_fills_out(rng: np.random.Generator) -> None:
     model = ModelRepository("/nonexistent-tilewise-models").get("sobel-2d")
     x = rng.random((1, 50, 60), dtype=np.float32)
     out = np.zeros((1, 50, 60), dtype=np.float32)
-    assert model.run(x, InferenceOptions(tile=32), out=out) is out
+    assert model.run(x, InferenceParams(tile=32), out=out) is out
     np.testing.assert_allclose(out, model.run(x), atol=1e-6)
 
 

@@ -10,13 +10,15 @@ import pytest
 import yaml
 
 from models import (
-    InferenceOptions,
+    InferenceParams,
     InputError,
     ModelRepository,
+    ParamError,
     RegistryError,
     SpecError,
     UnknownModelError,
     load_spec,
+    parse_params,
 )
 from tiling.errors import GridError
 
@@ -64,22 +66,27 @@ def test_good_spec_loads(tmp_path: Path) -> None:
         "params",
         "defaults",
     }
-    assert set(info["defaults"]) == {"tile", "halo", "overlap", "blend", "batch_size", "output", "format"}
+    assert set(info["defaults"]) == set(InferenceParams.model_fields)  # one schema, one serializer
+    assert set(info["defaults"]) >= {"tile", "halo", "overlap", "blend", "batch_size", "output", "format"}
 
 
 @pytest.mark.parametrize(
     ("change", "field"),
     [
         pytest.param({"colour": "red"}, "'colour' is unknown", id="unknown-field"),
-        pytest.param({"in_channels": "one"}, "'in_channels' must be int", id="wrong-type"),
-        pytest.param({"in_channels": True}, "'in_channels' must be int", id="bool-not-int"),
-        pytest.param({"backend": "tensorflow"}, "'backend' must be one of", id="bad-choice"),
+        pytest.param({"in_channels": "one"}, "'in_channels' must be a valid integer", id="wrong-type"),
+        pytest.param({"in_channels": True}, "'in_channels' must be a valid integer", id="bool-not-int"),
+        pytest.param({"backend": "tensorflow"}, "'backend' must be 'eager', 'torchscript'", id="bad-choice"),
         pytest.param({"spatial_dims": 4}, "'spatial_dims' must be 1, 2 or 3", id="bad-dims"),
         pytest.param(
-            {"defaults": {"tile": [32, 32]}}, "'tile' must be an int or a list of 3", id="tile-axes"
+            {"defaults": {"tile": [32, 32]}}, "'defaults.tile' must be an int or a list of 3", id="tile-axes"
         ),
-        pytest.param({"defaults": {"halo": "big"}}, "'halo' must be int or list", id="halo-string"),
-        pytest.param({"output": {"kind": "masks"}}, "'kind' must be one of", id="output-kind"),
+        pytest.param({"defaults": {"halo": "big"}}, "halo='big' is not an integer", id="halo-string"),
+        pytest.param({"defaults": {"tiles": 8}}, "'defaults.tiles' is unknown", id="defaults-typo"),
+        pytest.param({"defaults": {"blend": "han"}}, "did you mean 'hann'", id="defaults-did-you-mean"),
+        pytest.param(
+            {"output": {"kind": "masks"}}, "'output.kind' must be 'probabilities'", id="output-kind"
+        ),
         pytest.param({"preprocess": ["sharpen"]}, "unknown type 'sharpen'", id="unknown-step"),
         pytest.param({"preprocess": [{"type": "ct_window", "lo": 0}]}, "'hi' is required", id="step-param"),
         pytest.param({"sha256": "abc"}, "'sha256' must be 64", id="bad-sha"),
@@ -132,15 +139,48 @@ def test_repository_fails_on_invalid_spec(tmp_path: Path) -> None:
         ModelRepository(tmp_path)
 
 
-def test_options_resolve_defaults(tmp_path: Path) -> None:
+def test_params_merge_over_spec_defaults(tmp_path: Path) -> None:
     spec = load_spec(_write(tmp_path, GOOD))
-    resolved = InferenceOptions().resolve(spec)
-    assert resolved.tile == (32, 32, 16) and resolved.halo == "auto" and resolved.output == "labels"
-    resolved = InferenceOptions(tile=16, halo=(1, 2, 3), output="probabilities").resolve(spec)
-    assert resolved.tile == (16, 16, 16) and resolved.halo == (1, 2, 3)
+    merged = InferenceParams().merged(spec.defaults)
+    assert merged.tile == (32, 32, 16) and merged.halo == "auto" and merged.output == "labels"
+    merged = InferenceParams(tile=16, halo=(1, 2, 3), output="probabilities").merged(spec.defaults)
+    assert merged.tile == 16 and merged.halo == (1, 2, 3) and merged.batch_size == 2
+    with pytest.raises(ParamError, match="blend='cosine' is not one of"):
+        parse_params({"blend": "cosine"})
+    with pytest.raises(ParamError, match="did you mean 'labels'"):
+        parse_params({"output": "label"})
+
+
+def test_plan_resolves_once_per_request() -> None:
+    """Model.plan resolves every parameter against the spec and plans the grid (no data needed)."""
+    model = ModelRepository("/nonexistent-tilewise-models").get("gaussian-3d")
+    plan = model.plan((100, 100, 100))  # defaults: tile 64, halo 8
+    assert plan.tile == (64, 64, 64) and plan.halo == (8, 8, 8) and plan.overlap == (0, 0, 0)
+    assert plan.n_tiles == 8 and plan.grid.grid_shape == (2, 2, 2) and plan.halo_source == "given"
+    # the grid sizes its tiles to the image: 2 per axis need 58 voxels (58 - 2 * 8 = 42 of core)
+    assert plan.header() == "tile=58,58,58; halo=8,8,8; overlap=0,0,0; tiles=8; work=1.56"  # 8*58**3/1e6
     with pytest.raises(GridError, match="halo"):
-        InferenceOptions(halo=(1, 2)).resolve(spec)
-    with pytest.raises(GridError, match="blend"):
-        InferenceOptions(blend="cosine").resolve(spec)
-    with pytest.raises(InputError, match="output"):
-        InferenceOptions(output="boxes").resolve(spec)
+        model.plan((100, 100, 100), InferenceParams(halo=(1, 2)))
+    with pytest.raises(InputError, match="3 spatial axes"):
+        model.plan((100, 100))
+
+
+def test_medical_fields_spacing_orientation_labels(tmp_path: Path) -> None:
+    """DESIGN.md second wave: ``spacing`` (mm per axis), ``orientation`` (axis codes), ``labels``."""
+    medical = {"spacing": [1, 1.5, 2], "orientation": "ras", "labels": {0: "bg", 1: "gm"}}
+    path = _write(tmp_path, {**GOOD, **medical})
+    spec = load_spec(path)
+    assert spec.spacing == (1.0, 1.5, 2.0) and spec.orientation == "RAS" and spec.labels == {0: "bg", 1: "gm"}
+    info = spec.info()
+    assert info["spacing"] == [1.0, 1.5, 2.0] and info["orientation"] == "RAS"
+    assert info["labels"] == {"0": "bg", "1": "gm"} and info["tile_dependent"] is False
+    assert load_spec(_write(tmp_path, GOOD)).info()["spacing"] is None
+    for bad, fragment in [
+        ({"spacing": [1, 1]}, "field 'spacing' must list 3 values"),
+        ({"spacing": [0, 1, 1]}, r"field 'spacing\[0\]' must be greater than 0"),
+        ({"orientation": "RRS"}, "field 'orientation' must name each of L/R, P/A, I/S once"),
+        ({"orientation": "RA"}, "field 'orientation' must give 3 axis codes"),
+        ({"labels": {"grey": 1}}, "field 'labels.grey'"),
+    ]:
+        with pytest.raises(SpecError, match=fragment):
+            load_spec(_write(tmp_path, {**GOOD, **bad}))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from models import ChecksumMismatchError, InferenceOptions, ModelRepository, WeightsError
+from models import ChecksumMismatchError, InferenceParams, ModelRepository, WeightsError
 from models.preprocess import preprocess
 from models.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, WHEEL_MEMBER, setup_text_det
 from models.weights import sha256_file
@@ -88,9 +88,10 @@ def test_tiled_auto_halo_matches_whole_image(text_det, radiograph: np.ndarray, w
         whole = text_det.predictor(torch.from_numpy(x)[None])[0].numpy()
     whole_s = time.perf_counter() - start
     start = time.perf_counter()
-    tiled = text_det.run(image, InferenceOptions(tile=tile, halo="auto", halo_tolerance=1e-3))
+    params = InferenceParams(tile=tile, halo="auto", halo_tolerance=1e-3)
+    tiled = text_det.run(image, params)
     tiled_s = time.perf_counter() - start
-    halo = text_det.resolve_halo("auto", tile, 1e-3, x)  # cached for this image: no new calibration
+    halo = text_det.plan(x.shape[1:], params, sample=x).halo  # cached for this image: no new calibration
     err = float(np.abs(tiled - whole).max())
     logger.info(
         "text-det-2d %s %s tile %s: halo %s, max abs diff %.3g, tiled %.1f s vs whole %.1f s (max p %.3f)",
@@ -161,3 +162,18 @@ def test_tiled_pool_means_with_radius_halo_are_exact(text_det) -> None:
         worst,
     )
     assert worst <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "tile", [pytest.param(None, id="whole-image-means"), pytest.param((64, 64), id="stage-passes")]
+)
+def test_pool_context_translates_onnxruntime_errors(text_det, tile) -> None:
+    """Every onnxruntime call of the global-pooling context goes through the backend's error
+    boundary: a wrong input is an InferenceError naming the model, never onnxruntime's own class."""
+    from models import InferenceError
+
+    grey = np.zeros((1, 128, 128), dtype=np.float32)  # the network takes 3 channels
+    with pytest.raises(InferenceError, match="text-det-2d.*onnxruntime failed to compute") as info:
+        text_det.context.prepare_context(grey, tile=tile, halo=None if tile is None else (8, 8))
+    assert type(info.value.__cause__).__module__.startswith("onnxruntime")
+    text_det.context.clear_context()

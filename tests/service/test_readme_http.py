@@ -48,4 +48,4 @@ def test_readme_curl_examples(server: Server, text_det_onnx: Path, mni152_path: 
         width, height = page.size
     assert tifffile.imread(tmp_path / "page_text.tiff").shape == (height, width)
     with Image.open(tmp_path / "page_text.png") as labels:
-        assert labels.mode == "L" and labels.size == (width, height)
+        assert labels.mode == "P" and labels.size == (width, height)  # palette PNG

@@ -68,7 +68,7 @@ def text_det(text_models_dir: Path):
 def test_text_detector_on_real_images(
     client: httpx.Client, text_det, request: pytest.FixtureRequest, name: str, halo: int | None
 ) -> None:
-    from models import InferenceOptions
+    from models import InferenceParams
 
     path: Path = request.getfixturevalue(name)
     with Image.open(path) as image:
@@ -79,7 +79,7 @@ def test_text_detector_on_real_images(
     assert response.headers["content-type"] == "image/tiff"
     out = tifffile.imread(io.BytesIO(response.content))
     assert out.shape == (height, width) and out.dtype == np.float32
-    expected = text_det.run(decode(path).data, InferenceOptions(halo=halo))
+    expected = text_det.run(decode(path).data, InferenceParams(halo=halo))
     assert expected.shape == (1, height, width)
     diff = float(np.abs(out - expected[0]).max())
     logger.info("text-det-2d %s %dx%d via HTTP: max |server - in-process| = %.3g (p max %.3g)",
@@ -94,7 +94,7 @@ def test_text_detector_labels_as_png(client: httpx.Client, page_jpg: Path) -> No
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "image/png"
     with Image.open(io.BytesIO(response.content)) as labels, Image.open(page_jpg) as page:
-        assert labels.mode == "L" and labels.size == page.size
+        assert labels.mode == "P" and labels.size == page.size  # palette PNG: values stay the ids
         values = np.asarray(labels)
     assert set(np.unique(values)) <= {0, 1} and values.any()  # the page has text
 

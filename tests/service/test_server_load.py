@@ -31,6 +31,7 @@ def _queue_depth(url: str) -> float:
     raise AssertionError("no tilewise_queue_depth in /metrics")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_concurrent_requests_against_a_small_queue(tmp_path: Path, models_dir: Path) -> None:
     rng = np.random.default_rng(0)
@@ -71,7 +72,10 @@ def test_concurrent_requests_against_a_small_queue(tmp_path: Path, models_dir: P
         busy = [r for r in responses if isinstance(r, httpx.Response) and r.status_code == 503]
         assert len(ok) + len(busy) == N_REQUESTS, statuses
         assert ok and busy, statuses  # the queue admitted some and refused the rest
-        assert len(ok) <= N_REQUESTS
+        # All requests leave within milliseconds (barrier) and take their slot before their upload
+        # is read, while one job takes about a second: at most QUEUE_SIZE + 1 are admitted at first,
+        # as many more only if a thread is late by a whole job (a loaded machine), never all.
+        assert len(ok) <= 2 * (QUEUE_SIZE + 1), statuses
         for response in busy:
             assert response.headers["retry-after"] == "3"
             assert response.json()["error"] == "queue_full"

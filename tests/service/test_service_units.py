@@ -11,9 +11,10 @@ import pytest
 from pydantic import ValidationError
 
 import service.errors as service_errors
-from service.errors import BadParameterError, NotReadyError, QueueFullError, ServiceError
+from models.errors import ParamError
+from models.params import InferenceParams, parse_params
+from service.errors import NotReadyError, QueueFullError, ServiceError
 from service.executor import DeviceExecutor
-from service.params import InferenceParams, parse_params
 
 # -- parameters -----------------------------------------------------------------------------------
 
@@ -24,7 +25,7 @@ def test_parse_params_values() -> None:
             "tile": "128,128,64",
             "halo": "auto",
             "overlap": "4",
-            "blend": "hann",
+            "blend": "HANN",
             "batch_size": "2",
             "output": "labels",
             "format": ".NII.GZ",
@@ -35,7 +36,8 @@ def test_parse_params_values() -> None:
         tile=(128, 128, 64), halo="auto", halo_tolerance=1e-3, overlap=4, blend="hann", batch_size=2,
         output="labels", format="nii.gz",
     )  # fmt: skip
-    assert params.option_kwargs()["tile"] == (128, 128, 64) and "format" not in params.option_kwargs()
+    assert params.to_query()["tile"] == "128,128,64" and params.to_query()["format"] == "nii.gz"
+    assert parse_params(params.to_query()) == params  # the query form round-trips
     assert parse_params({"halo": "8,0", "tile": " ", "blend": None}) == InferenceParams(halo=(8, 0))
 
 
@@ -50,32 +52,44 @@ def test_parse_params_values() -> None:
         pytest.param({"batch_size": "0"}, "batch_size=0", id="batch-0"),
         pytest.param({"batch_size": "2,2"}, "one integer", id="batch-tuple"),
         pytest.param({"blend": "cosine"}, "blend='cosine'", id="blend"),
+        pytest.param({"blend": "han"}, "did you mean 'hann'", id="blend-did-you-mean"),
         pytest.param({"output": "logits"}, "output='logits'", id="output"),
         pytest.param({"format": "jpeg"}, "format='jpeg'", id="format"),
         pytest.param({"halo_tolerance": "0"}, "halo_tolerance", id="tolerance-0"),
         pytest.param({"halo_tolerance": "nan"}, "halo_tolerance", id="tolerance-nan"),
-        pytest.param({"tiles": "64"}, "unknown parameter", id="typo"),
+        pytest.param({"tiles": "64"}, "unknown parameter.*did you mean 'tile'", id="typo"),
     ],
 )
 def test_parse_params_errors(raw: dict[str, str], fragment: str) -> None:
-    with pytest.raises(BadParameterError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ParamError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         parse_params(raw)
 
 
-def test_option_lists_match_the_engine_and_the_model_specs() -> None:
-    """service._options is stdlib-only (the client may not import torch), so it spells the blend
-    names out; they must stay the values of tiling.BlendMode, and agree with models.spec."""
-    import models.spec
-    from service._options import BLENDS, FORMAT_SUFFIXES, FORMATS, OUTPUTS
+def test_option_lists_match_the_engine_and_the_codecs() -> None:
+    """models.params is light (the client may not import torch), so it spells the blend names out;
+    they must stay the values of tiling.BlendMode, and the formats those the codecs write."""
+    from models.params import Blend, OutputFormat
+    from service._options import FORMAT_SUFFIXES
+    from service.codecs import OUTPUT_FORMATS
     from tiling import BlendMode
 
-    assert list(BLENDS) == [mode.value for mode in BlendMode]
-    assert FORMATS == tuple(FORMAT_SUFFIXES)
-    assert all(suffix == "." + fmt for fmt, suffix in FORMAT_SUFFIXES.items())
-    for name, ours in (("BLENDS", BLENDS), ("FORMATS", FORMATS), ("OUTPUT_KINDS", OUTPUTS)):
-        theirs = getattr(models.spec, name, None)  # models may derive or rename its lists
-        if theirs is not None:
-            assert sorted(theirs) == sorted(ours), name
+    assert [b.value for b in Blend] == [mode.value for mode in BlendMode]
+    assert FORMAT_SUFFIXES == OUTPUT_FORMATS == {f.value: "." + f.value for f in OutputFormat}
+
+
+def test_cli_options_come_from_the_schema() -> None:
+    """Every InferenceParams field is a ``--name`` option of ``tilewise infer`` and ``tilewise batch``."""
+    from service.cli import build_parser
+
+    parser = build_parser()
+    for command in ("infer", "batch"):
+        args = ["in", "out", "--model", "m"]
+        for name in InferenceParams.model_fields:
+            choices = InferenceParams.choices(name)
+            args += [f"--{name.replace('_', '-')}", choices[0] if choices else "1"]
+        parsed = parser.parse_args([command, *args])
+        given = {k[len("param_") :]: v for k, v in vars(parsed).items() if k.startswith("param_")}
+        assert set(given) == set(InferenceParams.model_fields), command
 
 
 def test_argparse_number() -> None:
@@ -174,12 +188,14 @@ def test_every_public_exception_has_an_http_mapping() -> None:
     expected = {
         "ServiceError": 500, "BadParameterError": 400, "EmptyBodyError": 400, "AuthenticationError": 401,
         "UnsupportedMediaTypeError": 415, "DecodeError": 422, "UnusableInputError": 422,
-        "PayloadTooLargeError": 413, "JobNotFoundError": 404, "JobStateError": 409, "QueueFullError": 503,
+        "PayloadTooLargeError": 413, "QueueFullError": 503, "ParamError": 400,
         "NotReadyError": 503, "ModelError": 500, "UnknownModelError": 404, "RegistryError": 500,
         "SpecError": 500, "InputError": 422, "WeightsError": 500, "ChecksumMismatchError": 500,
         "IncompatibleWeightsError": 500, "BackendError": 500, "BackendUnavailableError": 503,
-        "InferenceError": 500, "DeviceOutOfMemoryError": 503, "ExportError": 500, "TilingError": 500,
+        "InferenceError": 500, "DeviceOutOfMemoryError": 503, "ExportError": 500,
+        "ImportRefusedError": 500, "ModelUnavailableError": 503, "TilingError": 500,
         "GridError": 400, "ShapeMismatchError": 500, "CoverageError": 500, "AccumulatorStateError": 500,
+        "OverBudgetError": 422, "MemoryBudgetError": 413, "UploadTimeoutError": 408, "RunCancelledError": 503,
     }  # fmt: skip
     classes = [*_public_errors(service_errors), *_public_errors(model_errors), *_public_errors(tiling_errors)]
     assert {c.__name__ for c in classes} == set(expected)
@@ -198,12 +214,12 @@ def test_every_public_exception_has_an_http_mapping() -> None:
 
 
 def test_service_errors_module_is_light() -> None:
-    """service.errors, service.params and the codecs never import torch or FastAPI."""
+    """service.errors, models.params and the codecs never import torch or FastAPI."""
     import subprocess
     import sys
 
     code = (
-        "import sys, service.errors, service.params, service.codecs;"
+        "import sys, service.errors, models.params, models.spec, service.codecs, service._options;"
         "bad = [m for m in ('torch', 'fastapi', 'starlette') if m in sys.modules];"
         "print(*bad); sys.exit(1 if bad else 0)"
     )
@@ -228,8 +244,9 @@ def test_executor_bounds_its_queue_and_runs_in_order() -> None:
 
         first = executor.submit_future(lambda: job(0))
         deadline = time.monotonic() + 5
-        while executor.depth != 1 or len(executor._jobs) and time.monotonic() < deadline:
+        while (executor.depth != 1 or executor._jobs) and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert executor.depth == 1 and not executor._jobs  # the first job runs, none waits
         queued = [executor.submit_future(lambda i=i: job(i)) for i in (1, 2)]
         assert not executor.has_room()
         with pytest.raises(QueueFullError) as info:
@@ -247,8 +264,10 @@ def test_cancelled_waiting_job_frees_its_slot() -> None:
     executor = DeviceExecutor("cpu", 1)
     try:
         running = executor.submit_future(lambda: gate.wait(10))
-        while executor._running == 0:
+        deadline = time.monotonic() + 5
+        while executor._running == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert executor._running == 1
         waiting = executor.submit_future(lambda: "never")
         assert not executor.has_room()
         assert waiting.cancel()

@@ -46,26 +46,35 @@ CASES_3D = [
 ]
 
 
+FIXED = pytest.mark.parametrize(
+    "fixed", [pytest.param(False, id="sized"), pytest.param(True, id="fixed-tile-shape")]
+)
+
+
 def _check(record_diff, family, got, want):
     diff = record_diff(family, got, want)
     assert diff <= ATOL, f"{family}: max abs diff {diff:.3e} > {ATOL}"
 
 
+@FIXED
 @pytest.mark.parametrize(("shape", "tile", "halo", "overlap", "blend", "dilations"), CASES_2D)
-def test_exact_2d(rng, record_diff, shape, tile, halo, overlap, blend, dilations):
+def test_exact_2d(rng, record_diff, shape, tile, halo, overlap, blend, dilations, fixed):
     net = ConvStack(2, 2, 3, dilations)
     assert isinstance(halo, tuple) or halo >= net.radius
     x = rng.standard_normal((2, *shape), dtype=np.float32)
-    y = tiled_inference(x, net, tile, halo=halo, overlap=overlap, blend=blend, batch_size=3)
+    y = tiled_inference(x, net, tile, halo=halo, overlap=overlap, blend=blend, batch_size=3,
+                        fixed_tile_shape=fixed)  # fmt: skip
     assert isinstance(y, np.ndarray) and y.dtype == np.float32
     _check(record_diff, "exact-2d-clip", y, whole(net, x))
 
 
+@FIXED
 @pytest.mark.parametrize(("shape", "tile", "halo", "overlap", "blend", "dilations"), CASES_3D)
-def test_exact_3d(rng, record_diff, shape, tile, halo, overlap, blend, dilations):
+def test_exact_3d(rng, record_diff, shape, tile, halo, overlap, blend, dilations, fixed):
     net = ConvStack(3, 1, 2, dilations)
     x = rng.standard_normal((1, *shape), dtype=np.float32)
-    y = tiled_inference(x, net, tile, halo=halo, overlap=overlap, blend=blend, batch_size=2)
+    y = tiled_inference(x, net, tile, halo=halo, overlap=overlap, blend=blend, batch_size=2,
+                        fixed_tile_shape=fixed)  # fmt: skip
     _check(record_diff, "exact-3d-clip", y, whole(net, x))
 
 

@@ -59,7 +59,11 @@ def test_int_and_tuple_plans_agree():
     a = TileGrid.plan((40, 30), 16, 2, overlap=3)
     b = TileGrid.plan((40, 30), (16, 16), (2, 2), overlap=(3, 3))
     assert [t.starts for t in a.tiles()] == [t.starts for t in b.tiles()]
-    assert a.stride == b.stride == (9, 9)  # core 16 - 2 * 2 = 12, minus overlap 3
+    # 40 voxels need 4 tiles at stride 9 (core 16 - 2 * 2 = 12, minus overlap 3); spread evenly
+    # over the 40 - 16 = 24 voxels left, their origins are 8 apart.
+    assert a.stride == b.stride == (8, 8)
+    c = TileGrid.plan((40, 30), (16, 16), (2, 2), overlap=(3, 3), fixed_tile_shape=True)
+    assert c.stride == (9, 9) and c.grid_shape == a.grid_shape
 
 
 def test_enums_accept_strings_and_members():
@@ -202,12 +206,13 @@ def test_bad_mode_names(image, kwargs, fragments):
 
 
 def test_predictor_returns_wrong_spatial_shape(image):
-    with _raises(ShapeMismatchError, "(1, 1, 15, 15)", "expected", "(1, 'C_out', 16, 16)"):
+    # (40, 30) with tile 16 and halo 2: 3 x 3 tiles sized to the grid, (16, 13) voxels each.
+    with _raises(ShapeMismatchError, "(1, 1, 15, 12)", "expected", "(1, 'C_out', 16, 13)"):
         tiled_inference(image, lambda t: t[..., 1:, 1:], 16, halo=2)
 
 
 def test_predictor_returns_wrong_batch(image):
-    with _raises(ShapeMismatchError, "(1, 1, 16, 16)", "(2, 'C_out', 16, 16)"):
+    with _raises(ShapeMismatchError, "(1, 1, 16, 13)", "(2, 'C_out', 16, 13)"):
         tiled_inference(image, lambda t: t[:1], 16, halo=2, batch_size=2)
 
 
@@ -218,12 +223,12 @@ def test_predictor_changes_channels_between_batches(image):
         calls.append(1)
         return t.repeat(1, len(calls), 1, 1)
 
-    with _raises(ShapeMismatchError, "(1, 2, 16, 16)", "(1, 1, 16, 16)"):
+    with _raises(ShapeMismatchError, "(1, 2, 16, 13)", "(1, 1, 16, 13)"):
         tiled_inference(image, predictor, 16, halo=2)
 
 
 def test_predictor_returns_wrong_ndim(image):
-    with _raises(ShapeMismatchError, "(1, 16, 16)", "expected"):
+    with _raises(ShapeMismatchError, "(1, 16, 13)", "expected"):
         tiled_inference(image, lambda t: t[:, 0], 16, halo=2)
 
 
@@ -250,9 +255,42 @@ def test_input_with_wrong_ndim(inputs, fragments):
 
 
 def test_input_with_more_axes_than_tile(image):
-    # A (C, H, W) image with a 3-D tile: the mismatch names both axis counts.
-    with _raises(GridError, "3 axes", "2 spatial axes"):
+    # A (C, H, W) image with a 3-D tile: the mismatch names both axis counts and the input's shape.
+    with _raises(GridError, "3 axes", "2 spatial axes", "(1, 40, 30)", "(C, *spatial)"):
         tiled_inference(image, identity, (4, 4, 4))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "name", "value", "fragments"),
+    [
+        pytest.param(
+            np.zeros((1, 1, 40, 30), np.float32), "tile_shape", (16, 16),
+            ("(1, 1, 40, 30)", "(C, *spatial)", "3 spatial axes", "spatial shape (1, 40, 30)"),
+            id="numpy-with-batch-axis",
+        ),
+        pytest.param(
+            torch.zeros(1, 40, 30), "halo", (2, 2),
+            ("(1, 40, 30)", "(N, C, *spatial)", "1 spatial axes", "spatial shape (30,)"),
+            id="torch-without-batch-axis",
+        ),
+        pytest.param(
+            np.zeros((2, 9, 8, 7), np.float32), "overlap", (1, 1),
+            ("overlap=(1, 1)", "(2, 9, 8, 7)", "3 spatial axes"), id="overlap-axes",
+        ),
+        pytest.param(
+            np.zeros((2, 9, 8, 7), np.float32), "alignment", [2, 2],
+            ("alignment=(2, 2)", "(2, 9, 8, 7)"), id="alignment-axes",
+        ),
+        pytest.param(
+            np.zeros((2, 9, 8), np.float32), "scale", (1, 1, 1),
+            ("scale=(1, 1, 1)", "(2, 9, 8)"), id="scale-axes",
+        ),
+    ],
+)  # fmt: skip
+def test_layout_errors_name_the_received_shape(inputs, name, value, fragments):
+    kwargs = {"tile_shape": 4, name: value}
+    with _raises(GridError, *fragments):
+        tiled_inference(inputs, identity, **kwargs)
 
 
 def test_out_with_wrong_spatial_shape(image):

@@ -110,6 +110,7 @@ def identity_cases(draw):
         padding_mode=draw(st.sampled_from(["constant", "reflect", "replicate"])),
         batch_size=draw(st.integers(1, 5)),
         channels=draw(st.integers(1, 3)),
+        fixed_tile_shape=draw(st.booleans()),
     )
 
 

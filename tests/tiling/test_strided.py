@@ -63,11 +63,12 @@ def test_unet_radius_is_the_theoretical_one(unet_2d, unet_3d):
         pytest.param((9, 70), (32, 32), 0, 0, "constant", id="smaller-than-tile-on-axis0"),
     ],
 )
-def test_unet_2d_exact(unet_2d, rng, record_diff, shape, tile, extra_halo, overlap, blend):
+@pytest.mark.parametrize("fixed", [pytest.param(False, id="sized"), pytest.param(True, id="fixed")])
+def test_unet_2d_exact(unet_2d, rng, record_diff, shape, tile, extra_halo, overlap, blend, fixed):
     net, radius = unet_2d
     x = rng.standard_normal((1, *shape), dtype=np.float32)
     y = tiled_inference(x, net, tile, halo=radius + extra_halo, overlap=overlap, blend=blend, alignment=4,
-                        batch_size=2)  # fmt: skip
+                        batch_size=2, fixed_tile_shape=fixed)  # fmt: skip
     want = _crop(whole(net, pad_end(x, 4)), shape)
     diff = record_diff("unet-2d-align4", y, want)
     assert diff <= ATOL, f"max abs diff {diff:.3e} > {ATOL}"

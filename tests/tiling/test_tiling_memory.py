@@ -9,15 +9,16 @@ rise of the peak above the level just before the call must stay below 25% of the
 
 Two plans:
 
-- ``abutting``: tile 64^3, halo 2, no overlap: no accumulator, the engine holds a few tile-sized
-  buffers (the region read, the batch, the predictor output). Measured here: 14 MiB, stable; with
-  96^3 tiles 27-54 MiB from run to run and with 128^3 about 64 MiB (at the bound), mostly freed heap
-  that glibc keeps (about half with ``MALLOC_MMAP_THRESHOLD_`` fixed), so the tile is sized for a
-  clear, reproducible margin under the default allocator.
+- ``abutting``: tile 64^3, halo 2, no overlap: no accumulator; the engine holds its batch buffers
+  (two with the prefetch thread) and the predictor output. Measured here: 7-16 MiB (before the
+  reusable buffers and the one-copy reader: 14 MiB; with 96^3 tiles 27-54 MiB from run to run and
+  with 128^3 about 64 MiB, mostly freed heap that glibc keeps), so the tile is sized for a clear,
+  reproducible margin under the default allocator.
 - ``blended``: tile 48^3, overlap 4, gaussian: the accumulator holds one fp32 slab of about a tile's
-  rows times the image cross-section (about 25 MiB here) and must not multiply it with temporaries
-  (measured 42 MiB; before the accumulator reused its buffer and normalized in place, a 96^3 plan
-  peaked at 241 MiB, 94% of the volume).
+  rows times the image cross-section (about 22 MiB here), allocated once at the longest row's size,
+  and must not multiply it with temporaries (measured 28-33 MiB; 42 MiB before it was preallocated,
+  53 MiB when a later row made it grow, old and new slab coexisting; before the accumulator reused
+  its buffer and normalized in place, a 96^3 plan peaked at 241 MiB, 94% of the volume).
 
 Each output is then checked slab by slab against ``avg_pool3d`` of the whole volume.
 """
@@ -36,6 +37,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
+pytestmark = pytest.mark.slow  # heavy: run with -m slow
 
 SHAPE = (1, 512, 512, 256)
 VOLUME_BYTES = int(np.prod(SHAPE)) * 4  # 256 MiB

@@ -1,0 +1,213 @@
+"""A model's receptive field (probed once) and its calibrated halos (cached per tile and sample).
+
+:class:`HaloCalibrator` owns both caches of one loaded model; :class:`~models.Model` asks it for the
+radius and for ``halo="auto"``. The arithmetic of caps and alignment is :mod:`tiling.plan`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from models.backends import BasePredictor, PoolingContext
+from models.preprocess import make_reduce
+from models.receptive import (
+    HaloCalibration,
+    ReceptiveField,
+    calibrate_halo,
+    probe_input,
+    probe_receptive_field,
+)
+from models.spec import ModelSpec
+from tiling.plan import calibration_margin, round_up
+
+__all__ = ["HaloCalibrator", "sample_fingerprint"]
+
+logger = logging.getLogger(__name__)
+
+#: First probe size per spatial_dims, and the largest when the field keeps reaching the edge.
+_FIRST_PROBE = {1: 1024, 2: 128, 3: 40}
+_MAX_PROBE = {1: 8192, 2: 1024, 3: 96}
+#: Calibrated halos kept per model (one per tile, tolerance and sample fingerprint), LRU.
+_HALO_CACHE_SIZE = 64
+#: Points per axis of the strided subsample that a sample's fingerprint hashes.
+_FINGERPRINT_POINTS = 64
+
+
+def sample_fingerprint(x: npt.NDArray[Any]) -> str:
+    """A cheap fingerprint of a ``(C, *spatial)`` sample: shape, whole sum, strided subsample hash.
+
+    The subsample takes about 64 points per axis; the float64 sum reads every value once, so two
+    images that differ anywhere almost surely differ here (cost: one pass, far below a forward).
+    """
+    steps = [max(1, s // _FINGERPRINT_POINTS) for s in x.shape[1:]]
+    sub = np.ascontiguousarray(x[(slice(None), *(slice(None, None, k) for k in steps))], dtype=np.float32)
+    digest = hashlib.blake2b(sub.tobytes(), digest_size=8)
+    digest.update(repr((x.shape, float(np.sum(x, dtype=np.float64)))).encode())
+    return f"{'x'.join(str(s) for s in x.shape)}-{digest.hexdigest()}"
+
+
+def _central_crop(
+    x: npt.NDArray[np.float32], shape: Sequence[int], alignment: int
+) -> npt.NDArray[np.float32]:
+    """The centre of ``x`` ``(C, *spatial)``, at most ``shape`` (rounded up to ``alignment``)."""
+    cut = []
+    for s, want in zip(x.shape[1:], shape, strict=False):
+        want = round_up(want, alignment)
+        if want >= s:
+            cut.append(slice(None))
+        else:
+            lo = (s - want) // 2 // alignment * alignment
+            cut.append(slice(lo, lo + want))
+    return np.ascontiguousarray(x[(slice(None), *cut)])
+
+
+class HaloCalibrator:
+    """Receptive-field probe and calibrated halos of one model (thread-safe, cached).
+
+    Args:
+        spec: the model's spec.
+        predictor: its predictor; a :class:`~models.backends.PoolingContext` one runs probes and
+            calibrations with the whole-sample pool means (as a whole-image pass would).
+    """
+
+    #: The calibrated halo must meet ``tolerance * SAFETY`` on the sample tiles: the sample covers a
+    #: few tile placements, a whole image has seams everywhere.
+    SAFETY = 0.25
+
+    def __init__(self, spec: ModelSpec, predictor: BasePredictor) -> None:
+        self.spec = spec
+        self.predictor = predictor
+        self._lock = threading.Lock()
+        self._probe: ReceptiveField | None = None
+        self._halos: OrderedDict[tuple[tuple[int, ...], float, str], HaloCalibration] = OrderedDict()
+
+    @contextlib.contextmanager
+    def _context(self, sample: npt.NDArray[np.float32] | None) -> Iterator[Any]:
+        """The predictor to probe, with the pool means of ``sample`` held for global-pooling models."""
+        if sample is None or not isinstance(self.predictor, PoolingContext):
+            yield self.predictor
+            return
+        with self.predictor.frozen_context(sample):
+            yield self.predictor
+
+    @property
+    def known_radius(self) -> tuple[int, ...] | None:
+        """The radius per axis when known (spec, analytic net or a probe already run), else ``None``."""
+        if self.predictor.receptive_field is not None:
+            return tuple(int(r) for r in self.predictor.receptive_field)
+        with self._lock:
+            return None if self._probe is None else self._probe.radius
+
+    def receptive_field(self) -> tuple[int, ...]:
+        """Theoretical receptive-field radius per axis (voxels): from the spec, else probed once.
+
+        The probe grows its input while the response reaches the probe's edge, up to 1024 voxels
+        per axis in 2-D (96 in 3-D); a network with global pooling reports that bound.
+        """
+        if self.predictor.receptive_field is not None:
+            return tuple(int(r) for r in self.predictor.receptive_field)
+        with self._lock:
+            if self._probe is None:
+                ndim = self.spec.spatial_dims
+                size = _FIRST_PROBE[ndim]
+                while True:
+                    self._probe = self._probe_once(size)
+                    if self._probe.bounded or size >= _MAX_PROBE[ndim]:
+                        break
+                    size = min(2 * size, _MAX_PROBE[ndim])
+                logger.info(
+                    "model %s: receptive field %s (bounded %s)",
+                    self.spec.name,
+                    self._probe.radius,
+                    self._probe.bounded,
+                )
+            return self._probe.radius
+
+    def _probe_once(self, size: int) -> ReceptiveField:
+        """Probe each axis with an input long on it (``size``) and narrow on the others.
+
+        A conv stack's reach along one axis does not need width on the others (the straight
+        path exists), so a band costs a fraction of a square probe; in 3-D, far less.
+        """
+        ndim, align = self.spec.spatial_dims, self.spec.alignment
+        long = round_up(size, align)
+        narrow = round_up(min(size, max(32, 4 * align)), align)
+        radius, bounded, seconds = [], True, 0.0
+        for axis in range(ndim):
+            shape = [long if a == axis else narrow for a in range(ndim)]
+            base = probe_input(self.predictor, shape)
+            with self._context(base[0]) as predictor:
+                target = predictor.logit_view() if isinstance(predictor, PoolingContext) else predictor
+                result = probe_receptive_field(target, base=base, batch_size=5, quiet=True)
+            radius.append(result.radius[axis])
+            # the band's own narrow axes always look unbounded; only the long axis counts
+            bounded = bounded and result.radius[axis] < min(shape[axis] // 2 - 1, size // 2 - 1)
+            seconds += result.seconds
+        return ReceptiveField(tuple(radius), (long,) * ndim, bounded, seconds)
+
+    def calibrate(
+        self, tile: Sequence[int], tolerance: float, sample: npt.NDArray[np.float32] | None = None
+    ) -> HaloCalibration:
+        """Calibrated halo for ``tile`` and ``tolerance`` on ``sample``.
+
+        Results are cached per tile, tolerance and sample: the sample (its central crop of about
+        ``tile + 2 * radius``, what calibration reads) is identified by :func:`sample_fingerprint`,
+        so a new image calibrates anew and the same image reuses its halo. The result's
+        ``sample`` names the sample it came from.
+
+        Args:
+            tile: tile shape per axis (voxels).
+            tolerance: max abs truncation error accepted, after the output activation.
+            sample: preprocessed ``(C_in, *spatial)`` data; default a synthetic sample.
+        """
+        tile_t = tuple(int(t) for t in tile)
+        max_halo = calibration_margin(self.receptive_field(), tile_t)
+        if sample is not None:
+            sample = _central_crop(sample, [t + 2 * max_halo for t in tile_t], self.spec.alignment)
+            source = f"sample {sample_fingerprint(sample)}"
+        else:
+            source = "synthetic sample"
+        key = (tile_t, float(tolerance), source)
+        with self._lock:
+            cached = self._halos.get(key)
+            if cached is not None:
+                self._halos.move_to_end(key)
+        if cached is not None:
+            logger.debug("model %s: cached halo %d (%s)", self.spec.name, cached.halo, source)
+            return cached
+        activation = make_reduce(self.spec.activation, "probabilities")
+        with self._context(sample) as predictor:
+            result = calibrate_halo(
+                predictor,
+                tile_t,
+                tolerance=tolerance * self.SAFETY,
+                sample=sample,
+                max_halo=max_halo,
+                activation=activation,
+                n_tiles=2,
+            )
+        result = dataclasses.replace(result, sample=source)
+        with self._lock:
+            self._halos[key] = result
+            while len(self._halos) > _HALO_CACHE_SIZE:
+                self._halos.popitem(last=False)
+        logger.info(
+            "model %s: tile %s tolerance %g -> calibrated halo %d (error %.3g, from %s)",
+            self.spec.name,
+            tile_t,
+            tolerance,
+            result.halo,
+            result.error,
+            source,
+        )
+        return result

@@ -1,0 +1,82 @@
+"""The run plan: every parameter of one request resolved, and its tile grid, made once.
+
+:meth:`models.Model.plan` makes it on the preprocessed image's shape; the run, the metrics
+(``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``) all read this one object, so
+nothing plans or calibrates again after a run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from models.params import Blend, OutputKind, Tta
+from tiling import TileGrid
+
+__all__ = ["RunPlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    """One request's resolved parameters and tile grid.
+
+    Attributes:
+        model: the model's name.
+        spatial_shape: spatial shape of the preprocessed input (voxels).
+        tile: requested tile per axis (voxels); the grid feeds ``grid.used_tile_shape``, smaller
+            only where the image is.
+        halo: halo per axis (voxels), given or calibrated (``halo="auto"``).
+        overlap: overlap of neighbouring cores per axis (voxels).
+        blend: blend window of overlapping cores.
+        batch_size: tiles per forward pass.
+        output: probabilities or labels.
+        halo_source: ``"given"``, ``"one tile"`` (auto, nothing to calibrate) or the calibration's
+            sample.
+        grid: the tile grid the run executes (once per entry of :attr:`flips`).
+        tta: test-time augmentation.
+    """
+
+    model: str
+    spatial_shape: tuple[int, ...]
+    tile: tuple[int, ...]
+    halo: tuple[int, ...]
+    overlap: tuple[int, ...]
+    blend: Blend
+    batch_size: int
+    output: OutputKind
+    halo_source: str
+    grid: TileGrid
+    tta: Tta = Tta.NONE
+
+    @property
+    def flips(self) -> tuple[tuple[int, ...], ...]:
+        """Spatial axes flipped in each tiled pass: ``((),)``, or every subset for ``tta=mirror``."""
+        if self.tta == Tta.NONE:
+            return ((),)
+        axes = range(len(self.spatial_shape))
+        return tuple(c for k in range(len(axes) + 1) for c in itertools.combinations(axes, k))
+
+    @property
+    def n_tiles(self) -> int:
+        """Tiles fed to the network: the grid's, once per tiled pass."""
+        return self.grid.n_tiles * len(self.flips)
+
+    @property
+    def work(self) -> float:
+        """Voxels fed to the network per input voxel (1.0: no overhead; halos and overlap add)."""
+        return self.grid.work * len(self.flips)
+
+    def header(self) -> str:
+        """The ``X-Tilewise-Plan`` header value.
+
+        E.g. ``tile=96,96,96; halo=8,8,8; overlap=0,0,0; tiles=27; work=1.49``: the tile fed to the
+        network, the halo and overlap per axis, the tile count and :attr:`work`.
+        """
+
+        def axes(values: tuple[int, ...]) -> str:
+            return ",".join(str(v) for v in values)
+
+        return (
+            f"tile={axes(self.grid.used_tile_shape)}; halo={axes(self.halo)}; "
+            f"overlap={axes(self.overlap)}; tiles={self.n_tiles}; work={self.work:.2f}"
+        )

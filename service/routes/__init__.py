@@ -1,0 +1,20 @@
+"""HTTP routes: ``health`` (probes, metrics), ``catalog`` (``/v1/models``), ``infer``.
+
+Handlers only do HTTP (parse, respond, headers); the work is :mod:`service.pipeline`'s.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from service.routes.catalog import router as catalog_router
+from service.routes.health import router as health_router
+from service.routes.infer import router as infer_router
+from service.security import require_api_key
+
+__all__ = ["health_router", "v1_router"]
+
+#: Everything under ``/v1`` (API key when one is set).
+v1_router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+v1_router.include_router(catalog_router)
+v1_router.include_router(infer_router)

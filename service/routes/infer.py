@@ -1,0 +1,244 @@
+"""``POST /v1/models/{name}/infer``: upload, queue, run the pipeline, answer with the file."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, Response
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from models.params import InferenceParams, parse_query
+from service.budget import Budget
+from service.deps import ExecutorDep, MetricsDep, RepositoryDep, SettingsDep
+from service.errors import NotReadyError
+from service.executor import Slot
+from service.http_errors import classify
+from service.metrics import Metrics
+from service.pipeline import InferenceResult, Limits, precheck, run_file
+from service.requestid import current_request_id
+from service.routes.docs import error_doc, params_doc
+from service.upload import Pace, receive_upload
+
+__all__ = ["router"]
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(tags=["models"])
+
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The output file, on the input's grid (same size; NIfTI: same affine, qform/sform "
+        "codes, zooms and units). `X-Tilewise-*` headers describe it; `X-Tilewise-Plan` gives the plan "
+        "that ran (`tile=96,96,96; halo=8,8,8; overlap=0,0,0; tiles=27; work=1.49`).",
+        "content": {
+            t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")
+        },
+    },
+    400: error_doc("bad_parameter", "Invalid, unknown or repeated query parameter, or an empty body."),
+    401: error_doc("unauthorized", "Missing or wrong API key (when the server has one)."),
+    404: error_doc("unknown_model", "No model of this name (the detail lists close matches)."),
+    408: error_doc("upload_timeout", "The upload stalled, or arrived below the minimum rate."),
+    413: error_doc(
+        "payload_too_large",
+        "Upload over max_upload_bytes, image over max_voxels / pixels / decompressed bytes, or a "
+        "plan whose predicted memory is over max_request_bytes (`over_budget`).",
+    ),
+    415: error_doc("unsupported_media_type", "Not NIfTI-1/2, PNG, JPEG or TIFF (by content)."),
+    422: error_doc(
+        "unusable_input",
+        "Corrupt/truncated file, wrong dimensionality or channels, NaN-only; or a plan over "
+        "max_batch_size / max_tiles / max_work (`over_budget`).",
+    ),
+    503: error_doc("queue_full", "The device queue is full; retry after `Retry-After` seconds."),
+}
+
+_OPENAPI = {
+    "parameters": params_doc(),
+    "requestBody": {
+        "required": True,
+        "description": "The image or volume: the raw file (`curl --data-binary @scan.nii.gz`) or a "
+        "multipart form with the field `file` (`curl -F file=@scan.nii.gz`). The format is detected "
+        "by content: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG, TIFF.",
+        "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "required": ["file"],
+                }
+            },
+        },
+    },
+}
+
+
+class _CleanupFileResponse(FileResponse):
+    """A file response that removes its temporary folder once sent (or when sending fails)."""
+
+    def __init__(self, path: Path, *, cleanup: Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await anyio.to_thread.run_sync(
+                functools.partial(shutil.rmtree, self._cleanup, ignore_errors=True)
+            )
+
+
+def _headers(label: str, result: InferenceResult) -> dict[str, str]:
+    return {
+        "X-Tilewise-Model": label,
+        "X-Tilewise-Format": result.format,
+        "X-Tilewise-Output": result.output_kind,
+        "X-Tilewise-Shape": ",".join(str(n) for n in result.output_shape),
+        "X-Tilewise-Dtype": result.output_dtype,
+        "X-Tilewise-Seconds": f"{result.seconds:.3f}",
+        "X-Tilewise-Plan": result.plan.header(),
+    }
+
+
+def _precheck(repository: Any, name: str, source: Path, params: InferenceParams, limits: Limits) -> None:
+    """Worker-thread check of the uploaded file's header and plan, before it takes a slot."""
+    precheck(repository.get(name), source, params, limits)
+
+
+def _work(
+    repository: Any,
+    name: str,
+    source: Path,
+    stem: Path,
+    params: InferenceParams,
+    limits: Limits,
+    metrics: Metrics,
+    stop: threading.Event,
+) -> InferenceResult:
+    """Executor-thread work of one request (load the model if needed, run the pipeline), then its
+    metrics from the one plan. Tiles are counted batch by batch as they run."""
+    model = repository.get(name)
+    tiles = metrics.tiles.labels(model.spec.name)
+    result = run_file(model, source, stem, params, limits=limits, should_stop=stop.is_set, progress=tiles.inc)
+    metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
+    return result
+
+
+async def _await_job(
+    future: concurrent.futures.Future[InferenceResult], request: Request
+) -> InferenceResult | None:
+    """The job's result, or ``None`` when the client disconnects first (the job is cancelled
+    if it has not started; the caller stops a running one)."""
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    job = asyncio.wrap_future(future)
+    watcher = asyncio.ensure_future(disconnected())
+    pending: set[asyncio.Future[Any]] = {job, watcher}
+    try:
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if job in done:
+        return job.result()
+    job.cancel()
+    return None
+
+
+@router.post("/models/{name}/infer", responses=_RESPONSES, openapi_extra=_OPENAPI)
+async def infer(
+    name: str,
+    request: Request,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    repository: RepositoryDep,
+    executor: ExecutorDep,
+) -> Response:
+    """Run a model on an uploaded image or volume and return the output file."""
+    started = time.perf_counter()
+    label, status = "unknown", 500
+    workdir: Path | None = None
+    slot: Slot | None = None
+    state = request.app.state
+    stop = threading.Event()
+    try:  # every outcome, refusals included, is counted in the finally clause
+        if not getattr(state, "ready", False):
+            raise NotReadyError("models are not loaded (starting or shutting down)")
+        label = repository.spec(name).name  # 404 before reading the body
+        params = parse_query(request.query_params.multi_items())
+        limits = Limits.from_settings(settings)
+        Budget.from_settings(settings).check_params(params)
+        if not executor.has_room():  # a hint: nothing is read when the queue is full now
+            raise executor.full_error()
+        # The body arrives under the upload bound (count, rate); only then does the request take
+        # an inference slot, so slow senders never hold the device queue.
+        with state.uploads.hold():
+            workdir = await anyio.to_thread.run_sync(state.workroot.mkdtemp)
+            pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s)
+            source, n_bytes = await receive_upload(
+                request, workdir / "input", max_bytes=settings.max_upload_bytes, pace=pace
+            )
+        metrics.bytes_in.inc(n_bytes)
+        await anyio.to_thread.run_sync(_precheck, repository, label, source, params, limits)
+        slot = executor.reserve()
+        logger.info("request %s queued model=%s on %s", current_request_id(), label, executor.device)
+        work = functools.partial(
+            _work, repository, label, source, workdir / "output", params, limits, metrics, stop
+        )
+        state.stops.add(stop)
+        future = executor.submit_future(work, slot=slot)
+        result = await _await_job(future, request)
+        if result is None:
+            stop.set()  # a running job stops before its next batch
+            logger.info("request %s: client disconnected; job %s", current_request_id(), _fate(future))
+            if not future.done():  # still running: its thread removes the folder when it ends
+                folder = workdir
+                future.add_done_callback(lambda _: shutil.rmtree(folder, ignore_errors=True))
+                workdir = None
+            status = 499
+            return Response(status_code=499)
+        metrics.bytes_out.inc(result.size_bytes)
+        response = _CleanupFileResponse(
+            result.path,
+            cleanup=workdir,
+            media_type=result.media_type,
+            filename=f"{Path(name).name}-output{result.path.name[len('output') :]}",
+            headers=_headers(label, result),
+        )
+        workdir, status = None, 200
+        return response
+    except ClientDisconnect:
+        status = 499
+        logger.info("request %s: client disconnected during upload", current_request_id())
+        return Response(status_code=499)
+    except Exception as exc:
+        status = classify(exc).status
+        raise
+    finally:
+        state.stops.discard(stop)
+        if slot is not None:
+            slot.release()  # a no-op once the job took the slot
+        if workdir is not None:
+            await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, workdir, ignore_errors=True))
+        metrics.requests.labels(label, str(status)).inc()
+        metrics.request_seconds.labels(label).observe(time.perf_counter() - started)
+
+
+def _fate(future: concurrent.futures.Future[Any]) -> str:
+    return "cancelled before it started" if future.cancelled() else "running: stops at its next batch"
