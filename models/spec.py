@@ -15,13 +15,16 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     scale: 1                      # output voxels per input voxel
     receptive_field: [10, 10, 10] # radius per axis in voxels, when known (else measured)
     tile_dependent: false         # instance norm / attention / global pooling over the tile
+    spacing: [1.0, 1.0, 1.0]      # mm per spatial axis the network was trained at (inputs resampled)
+    orientation: RAS              # axis codes the network was trained in (3-D; inputs reoriented)
+    labels: {0: background, 1: grey matter}  # label index -> name
     global_pooling: false         # global average pools whose statistics come from the whole image
     precision: fp32               # fp32 | fp16 | bf16 (autocast, CUDA only)
     channels_last: false          # CUDA memory format
     preprocess:                   # applied to the whole image before tiling, in order
       - {type: ct_window, lo: -1000, hi: 400}
       - zscore
-    output: {activation: softmax, kind: labels, dtype: float32}
+    output: {activation: softmax, kind: labels, dtype: float32, tta_average: probabilities}
     defaults: {tile: [96, 96, 96], halo: auto, overlap: 0, blend: constant, batch_size: 2}
 
 ``defaults`` is :class:`~models.params.InferenceParams` (the same schema as the HTTP query and the
@@ -68,6 +71,7 @@ __all__ = [
     "Precision",
     "PreprocessStep",
     "STEP_PARAMS",
+    "TtaAverage",
     "load_spec",
     "spec_from_mapping",
 ]
@@ -116,14 +120,23 @@ ANALYTIC_PARAMS: dict[str, tuple[type, ...]] = {
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
+class TtaAverage(StrEnum):
+    """What ``tta=mirror`` averages: probabilities after the activation, or logits before it (nnU-Net)."""
+
+    PROBABILITIES = "probabilities"
+    LOGITS = "logits"
+
+
 class OutputSpec(BaseModel):
-    """``output``: activation after blending, the default output kind, the probability dtype."""
+    """``output``: activation after blending, the default output kind, the probability dtype, and what
+    test-time augmentation averages (``tta_average``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     activation: Activation = Activation.NONE
     kind: OutputKind = OutputKind.PROBABILITIES
     dtype: OutputDtype = OutputDtype.FLOAT32
+    tta_average: TtaAverage = TtaAverage.PROBABILITIES
 
 
 def _name(value: str) -> str:
@@ -142,6 +155,16 @@ def _dims(value: int) -> int:
     if value not in (1, 2, 3):
         raise ValueError(f"must be 1, 2 or 3, got {value}")
     return value
+
+
+def _orientation(value: str) -> str:
+    codes = value.upper()
+    pairs = ("LR", "PA", "IS")
+    if not codes.isalpha() or any(c not in "LRPAIS" for c in codes):
+        raise ValueError(f"must be axis codes from L/R, P/A, I/S such as 'RAS', got {value!r}")
+    if sorted(next(i for i, p in enumerate(pairs) if c in p) for c in codes) != list(range(len(codes))):
+        raise ValueError(f"must name each of L/R, P/A, I/S once, got {value!r}")
+    return codes
 
 
 Positive = Annotated[StrictInt, Field(ge=1)]
@@ -171,6 +194,9 @@ class ModelSpec(BaseModel):
     scale: Positive = 1
     receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
     tile_dependent: StrictBool = False
+    spacing: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)], ...] | None = None
+    orientation: Annotated[StrictStr, AfterValidator(_orientation)] | None = None
+    labels: dict[Annotated[int, Field(ge=0)], StrictStr] | None = None
     global_pooling: StrictBool = False
     precision: Precision = Precision.FP32
     channels_last: StrictBool = False
@@ -217,6 +243,11 @@ class ModelSpec(BaseModel):
         update = {name: _broadcast(f"defaults.{name}", getattr(filled, name), ndim)
                   for name in ("tile", "halo", "overlap")}  # fmt: skip
         object.__setattr__(self, "defaults", filled.model_copy(update=update))
+        if self.spacing is not None and len(self.spacing) != ndim:
+            got = list(self.spacing)
+            raise ValueError(f"field 'spacing' must list {ndim} values (mm per axis), got {got}")
+        if self.orientation is not None and len(self.orientation) != ndim:
+            raise ValueError(f"field 'orientation' must give {ndim} axis codes, got {self.orientation!r}")
         rf = self.receptive_field
         if rf is not None:
             object.__setattr__(self, "receptive_field", _broadcast("receptive_field", rf, ndim))
@@ -257,6 +288,10 @@ class ModelSpec(BaseModel):
             "receptive_field": None if self.receptive_field is None else list(self.receptive_field),
             "params": dict(self.params),
             "defaults": self.defaults.model_dump(mode="json"),
+            "spacing": None if self.spacing is None else list(self.spacing),
+            "orientation": self.orientation,
+            "labels": None if self.labels is None else {str(k): v for k, v in self.labels.items()},
+            "tile_dependent": self.tile_dependent,
         }
 
     def with_receptive_field(self, radius: tuple[int, ...]) -> ModelSpec:

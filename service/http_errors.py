@@ -73,6 +73,7 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     NotReadyError: (503, "not_ready"),
     tiling_errors.RunCancelledError: (503, "cancelled"),
     model_errors.BackendUnavailableError: (503, "backend_unavailable"),
+    model_errors.ModelUnavailableError: (503, "model_unavailable"),
     model_errors.DeviceOutOfMemoryError: (503, "device_out_of_memory"),
 }
 #: Details that would leak internals are replaced.

@@ -163,3 +163,24 @@ def test_plan_resolves_once_per_request() -> None:
         model.plan((100, 100, 100), InferenceParams(halo=(1, 2)))
     with pytest.raises(InputError, match="3 spatial axes"):
         model.plan((100, 100))
+
+
+def test_medical_fields_spacing_orientation_labels(tmp_path: Path) -> None:
+    """DESIGN.md second wave: ``spacing`` (mm per axis), ``orientation`` (axis codes), ``labels``."""
+    medical = {"spacing": [1, 1.5, 2], "orientation": "ras", "labels": {0: "bg", 1: "gm"}}
+    path = _write(tmp_path, {**GOOD, **medical})
+    spec = load_spec(path)
+    assert spec.spacing == (1.0, 1.5, 2.0) and spec.orientation == "RAS" and spec.labels == {0: "bg", 1: "gm"}
+    info = spec.info()
+    assert info["spacing"] == [1.0, 1.5, 2.0] and info["orientation"] == "RAS"
+    assert info["labels"] == {"0": "bg", "1": "gm"} and info["tile_dependent"] is False
+    assert load_spec(_write(tmp_path, GOOD)).info()["spacing"] is None
+    for bad, fragment in [
+        ({"spacing": [1, 1]}, "field 'spacing' must list 3 values"),
+        ({"spacing": [0, 1, 1]}, r"field 'spacing\[0\]' must be greater than 0"),
+        ({"orientation": "RRS"}, "field 'orientation' must name each of L/R, P/A, I/S once"),
+        ({"orientation": "RA"}, "field 'orientation' must give 3 axis codes"),
+        ({"labels": {"grey": 1}}, "field 'labels.grey'"),
+    ]:
+        with pytest.raises(SpecError, match=fragment):
+            load_spec(_write(tmp_path, {**GOOD, **bad}))
