@@ -215,7 +215,7 @@ def _run_one(
         for b, batch in enumerate(reader):
             if should_stop is not None and should_stop():
                 raise RunCancelledError(
-                    f"stopped by the caller before batch {b} (tile {first + b * batch_size} of {grid.n_tiles})"
+                    f"stopped by the caller before tile {first + b * batch_size} of {grid.n_tiles}"
                 )
             x = transfers.to_device(batch, reader)
             with torch.inference_mode():
