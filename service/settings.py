@@ -31,6 +31,13 @@ Variable                          Meaning
 ``TILEWISE_UPLOAD_IDLE_S``        seconds an upload may send nothing (408 beyond; default 30)
 ``TILEWISE_MAX_HEADER_BYTES``     request line plus headers, bytes (414 / 431 beyond; default 32768;
                                   ``tilewise serve`` only)
+``TILEWISE_JOBS_DIR``             folder of the jobs (state, input, partial output, result); share it
+                                  between replicas (default: ``tilewise-jobs`` in the temporary folder)
+``TILEWISE_JOB_TTL_S``            seconds a finished job (and its result) is kept (default 86400)
+``TILEWISE_JOB_LEASE_S``          a job's lease expires this long after its owner's last renewal
+                                  (renewed every third of it); then another replica takes the job over
+                                  (default 30; at once when the owner's process is gone, same host)
+``TILEWISE_JOB_SCAN_S``           seconds between two looks for jobs to take over (default 1)
 ================================  ===========================================================================
 
 ``tilewise serve`` has an option for each (``--api-key``, ``--queue-size`` ...); an option wins
@@ -90,6 +97,10 @@ class Settings(BaseSettings):
     upload_grace_s: float = Field(default=10.0, ge=0)
     upload_idle_s: float = Field(default=30.0, gt=0)
     max_header_bytes: int = Field(default=32768, ge=1024)
+    jobs_dir: Path | None = None
+    job_ttl_s: float = Field(default=86400.0, gt=0)
+    job_lease_s: float = Field(default=30.0, gt=0)
+    job_scan_s: float = Field(default=1.0, gt=0)
 
     @field_validator("device", mode="before")
     @classmethod

@@ -46,6 +46,10 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--upload-grace", "upload_grace_s", _seconds, "seconds before the minimum rate applies (10)"),
     ("--upload-idle", "upload_idle_s", _work, "seconds an upload may send nothing (30)"),
     ("--max-header-bytes", "max_header_bytes", _positive, "request line plus headers, bytes (32768)"),
+    ("--jobs-dir", "jobs_dir", Path, "folder of the jobs, shared by replicas (default: under the tmp dir)"),
+    ("--job-ttl", "job_ttl_s", _work, "seconds a finished job and its result are kept (86400)"),
+    ("--job-lease", "job_lease_s", _work, "seconds a job's lease outlives its owner's last renewal (30)"),
+    ("--job-scan", "job_scan_s", _work, "seconds between two looks for jobs to take over (1)"),
 )
 
 
