@@ -121,8 +121,9 @@ class Model:
             blend=p.blend.value,
             # A calibrated halo is an estimate from sampled tiles; the fixed-shape plan keeps the
             # margins it was calibrated with (text-det-2d's calibrated halo 61 errs by 0.023 with
-            # tiles sized to the grid).
-            fixed_tile_shape=p.halo == "auto",
+            # tiles sized to the grid). A tile-dependent network (instance norm: nnU-Net) was
+            # trained on one patch shape, and sees it, as in nnU-Net's and MONAI's sliding windows.
+            fixed_tile_shape=p.halo == "auto" or spec.tile_dependent,
         )
         plan = RunPlan(
             spec.name, shape, tile, halo, overlap, p.blend, p.batch_size, p.output, source, grid, p.tta

@@ -253,7 +253,8 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         dims = len(roi) if isinstance(roi, list | tuple) else None
         channels = int(image["num_channels"]) if "num_channels" in image else None
         name = name or model_name(str(meta.get("name") or source.stem))
-        facts = probe_network(network, name=name, spatial_dims=dims, in_channels=channels)
+        window = [int(v) for v in _as_list(roi, dims)] if roi is not None and dims else None
+        facts = probe_network(network, name=name, spatial_dims=dims, in_channels=channels, tile_shape=window)
         dims = facts.spatial_dims
         pre = _preprocessing(_transforms(parser, "preprocessing", where), dims, where)
         output = _postprocessing(_transforms(parser, "postprocessing", where), where)
