@@ -24,9 +24,10 @@ What deepbet does (``deepbet/bet.py`` and ``deepbet/utils.py`` of the wheel):
 
 The network has learnt where a brain lies in that frame: given a wider field of view it calls
 background "brain" (the MNI152 T1 whole at 1 mm: Dice 0.73 against nilearn's mask; in its frame:
-0.98), and tiles much smaller than the frame see a brain in each tile (128^3 tiles of the 256^3
-frame: Dice 0.77 against the whole pass). Hence the frame here (:func:`to_frame`), and the
-default of one 256^3 tile (see ``benchmarks/BRAINMASK.md`` for the measurements).
+0.98), and tiles much smaller than the frame see a brain of their own (128^3 tiles of the 256^3
+frame: Dice 0.75-0.78 against the whole pass; 192^3: 0.99, but neighbouring tiles disagree by
+0.25 on average where they overlap; 224^3: 0.99 and 0.005). Hence the frame here
+(:func:`to_frame`) and the default of one 256^3 tile, the frame itself (``benchmarks/BRAINMASK.md``).
 
 Geometry this module does in numpy/torch until the spec carries it: reorientation to RAS, and the
 brain frame: the box is found without deepbet's second network, as the planes whose foreground
@@ -56,19 +57,19 @@ from models.spec import ModelSpec, spec_from_mapping
 from models.weights import sha256_file
 
 if TYPE_CHECKING:
-    from models.options import InferenceOptions
-    from models.repository import Model
+    from models.model import Model
+    from models.params import InferenceParams
 
 __all__ = [
     "BOX_MARGIN",
     "BRAIN_MASK_FILE",
     "BRAIN_MASK_NAME",
     "BRAIN_MASK_SHA256",
+    "BrainFrame",
     "FRAME_SHAPE",
     "SECOND_WAVE_FIELDS",
     "WHEEL_MEMBER",
     "WHEEL_REQUIREMENT",
-    "BrainFrame",
     "brain_box",
     "brain_mask",
     "brain_mask_mapping",
@@ -113,8 +114,10 @@ def brain_mask_mapping() -> dict[str, Any]:
     The preprocessing is deepbet's (utils.py ``normalize``), run on the 256^3 frame: the 0.5 /
     99.5 % window clipped to [0, 1], z-score, then ``0.226 * z + 0.449``. The network ends in a
     softmax, so the activation is ``none``; ``labels`` (argmax of 2 channels) is deepbet's
-    ``p > 0.5``. The default plan is one 256^3 tile, the frame itself; a smaller tile must stay
-    near the frame's size (192^3, 8 tiles: Dice 0.99 against the whole pass; 128^3: 0.77).
+    ``p > 0.5``. The default plan is one 256^3 tile, the frame itself (one pass, no seam; peak
+    ~660 MB on the CPU). For a smaller memory budget: 224^3 tiles, 2x2x2, Gaussian blend (peak
+    ~490 MB, 5.4x the work; Dice 0.991 against the whole pass, seam mean 0.005); a tile below
+    ~192^3 breaks the network's frame (128^3: Dice 0.75-0.78).
     """
     return {
         "name": BRAIN_MASK_NAME,
@@ -277,30 +280,26 @@ def brain_mask(
     model: Model,
     volume: npt.NDArray[Any],
     affine: npt.NDArray[Any],
-    options: InferenceOptions | None = None,
+    params: InferenceParams | None = None,
     *,
     interpolation: str = "linear",
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
     """Brain mask and brain probability of a T1-weighted volume, on the volume's own grid.
 
-    Runs ``model`` (``brain-mask-3d``) with ``options`` (default: the spec's plan) on the frame
+    Runs ``model`` (``brain-mask-3d``) with ``params`` (default: the spec's plan) on the frame
     of :func:`to_frame`, maps the brain probability back with :func:`from_frame` and labels
     ``p > 0.5``.
 
     Returns:
         ``(X, Y, Z)`` uint8 mask (1 = brain) and ``(X, Y, Z)`` float32 probability.
     """
-    from models.options import InferenceOptions
+    from models.params import InferenceParams, OutputKind
 
     x, frame = to_frame(volume, affine)
-    opts = options or InferenceOptions()
-    probs = model.run(x, InferenceOptions(**{**_fields(opts), "output": "probabilities"}))
+    given = (params or InferenceParams()).model_dump(exclude_unset=True)
+    probs = model.run(x, InferenceParams.model_validate({**given, "output": OutputKind.PROBABILITIES}))
     brain = from_frame(probs[1:2], frame, interpolation=interpolation)[0]
     return (brain > 0.5).astype(np.uint8), brain
-
-
-def _fields(options: InferenceOptions) -> dict[str, Any]:
-    return {name: getattr(options, name) for name in options.__dataclass_fields__}
 
 
 # --- setup from the wheel --------------------------------------------------------------------

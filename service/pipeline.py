@@ -16,19 +16,31 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.codecs import OUTPUT_FORMATS, DecodedVolume, decode, default_format, encode
+from service.codecs import OUTPUT_FORMATS, DecodedVolume, Probe, decode, default_format, encode, probe
 from service.errors import BadParameterError, UnusableInputError
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
+    from service.budget import Budget
 
-__all__ = ["MEDIA_TYPES", "InferenceResult", "fit_to_model", "plan_format", "run_file", "run_volume"]
+__all__ = [
+    "MEDIA_TYPES",
+    "InferenceResult",
+    "Limits",
+    "check_input",
+    "fit_to_model",
+    "plan_format",
+    "precheck",
+    "run_file",
+    "run_volume",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +52,35 @@ MEDIA_TYPES = {
     "tiff": "image/tiff",
     "npy": "application/octet-stream",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What an input may declare and a request may cost (``None``: unbounded).
+
+    Attributes:
+        max_voxels: voxels times channels, from the header (413).
+        max_image_pixels: pixels per plane of a picture or TIFF page (413).
+        max_bytes: bytes once decompressed, from the header (413).
+        budget: batch size, tiles, work and memory of the plan (:mod:`service.budget`).
+    """
+
+    max_voxels: int | None = None
+    max_image_pixels: int | None = None
+    max_bytes: int | None = None
+    budget: Budget | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Limits:
+        """The limits of :class:`~service.settings.Settings` (decompressed bytes: the upload limit)."""
+        from service.budget import Budget
+
+        return cls(
+            settings.max_voxels,
+            settings.max_image_pixels,
+            settings.max_upload_bytes,
+            Budget.from_settings(settings),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +155,75 @@ def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, outpu
     return fmt
 
 
-def run_volume(model: Model, volume: DecodedVolume, params: InferenceParams) -> tuple[np.ndarray, RunPlan]:
+def check_input(spec: Any, source: Path, limits: Limits) -> Probe:
+    """The input's header, checked against ``limits`` and the model before anything is decoded.
+
+    Raises:
+        PayloadTooLargeError: voxels, pixels or decompressed bytes over the limits (413).
+        UnusableInputError: the wrong dimensionality or channel count for the model (422).
+        EmptyBodyError, UnsupportedMediaTypeError, DecodeError: see :func:`service.codecs.probe`.
+    """
+    header = probe(source)
+    header.check_limits(
+        max_voxels=limits.max_voxels, max_image_pixels=limits.max_image_pixels, max_bytes=limits.max_bytes
+    )
+    header.check_model(int(spec.spatial_dims), spec.name, in_channels=int(spec.in_channels))
+    return header
+
+
+def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits) -> Probe:
+    """Refuse, from the file's header alone, an input or a plan beyond ``limits`` (before queueing).
+
+    The plan is made on the header's shape (the preprocessed image has the decoded image's
+    shape); a calibrated halo (``halo=auto``) counts as 0 here, a lower bound of the real plan's
+    cost, which :func:`run_volume` checks again before running it.
+
+    Raises:
+        PayloadTooLargeError, UnusableInputError: see :func:`check_input`.
+        OverBudgetError, MemoryBudgetError: the plan over the budget (422, 413).
+        ParamError, GridError: parameters that cannot tile this image (400).
+    """
+    spec = model.spec
+    header = check_input(spec, source, limits)
+    if limits.budget is not None:
+        shape = header.spatial_shape
+        if int(spec.spatial_dims) == 2 and header.single_slice:
+            shape = shape[:2]
+        merged = params.merged(spec.defaults)
+        if merged.halo == "auto":
+            merged = merged.model_copy(update={"halo": 0})
+        plan = model.plan(shape, merged)
+        decoded = header.voxels * np.dtype(header.dtype).itemsize
+        limits.budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=decoded)
+    return header
+
+
+def run_volume(
+    model: Model,
+    volume: DecodedVolume,
+    params: InferenceParams,
+    *,
+    budget: Budget | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    progress: bool | Callable[[int], object] = False,
+) -> tuple[np.ndarray, RunPlan]:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
+
+    The plan is checked against ``budget`` before the network sees a tile; ``should_stop`` is
+    asked before every batch (the run ends with :class:`tiling.RunCancelledError`); ``progress``
+    shows a bar of tiles on stderr, or is called with each batch's tile count.
 
     Returns:
         ``(array, plan)``: uint8 ``(*spatial)`` labels or float32 ``(C_out, *spatial)`` values with
         ``spatial == volume.spatial_shape``, and the plan that ran.
     """
-    data, dropped = fit_to_model(volume, model.spec)
+    spec = model.spec
+    data, dropped = fit_to_model(volume, spec)
     x = model.preprocess(data)
     plan = model.plan(x.shape[1:], params, sample=x)
-    result = np.asarray(model.execute(x, plan))
+    if budget is not None:
+        budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=volume.data.nbytes)
+    result = np.asarray(model.execute(x, plan, progress=progress, should_stop=should_stop))
     if dropped:
         result = result[..., None]
     if plan.output == "labels":
@@ -140,25 +239,38 @@ def run_file(
     target_stem: Path,
     params: InferenceParams,
     *,
-    max_voxels: int | None = None,
-    max_image_pixels: int | None = None,
+    limits: Limits | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    progress: bool | Callable[[int], object] = False,
 ) -> InferenceResult:
-    """Decode ``source``, run ``model``, write the output next to ``target_stem``.
+    """Check ``source``'s header, decode it, run ``model``, write the output next to ``target_stem``.
 
     Args:
         model: a loaded ``models.Model``.
         source: the input file (format detected by content).
         target_stem: output path without suffix; the format's suffix is appended.
         params: validated inference parameters.
-        max_voxels: voxel limit (413 beyond), checked from the header.
-        max_image_pixels: 2D pixel limit (decompression-bomb guard).
+        limits: what the header may declare (checked before decoding) and the plan may cost
+            (checked before running); ``None``: no limits.
+        should_stop: asked before every batch; true stops the run (``tiling.RunCancelledError``).
+        progress: show a progress bar of tiles on stderr, or a callable called with each
+            batch's tile count (the server's ``tilewise_tiles_total``).
     """
     started = time.perf_counter()
-    volume = decode(source, max_voxels=max_voxels, max_image_pixels=max_image_pixels)
+    limits = limits or Limits()
     spec = model.spec
+    check_input(spec, source, limits)
+    volume = decode(
+        source,
+        max_voxels=limits.max_voxels,
+        max_image_pixels=limits.max_image_pixels,
+        max_bytes=limits.max_bytes,
+    )
     output_kind = str(params.output or spec.defaults.output)
     fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
-    array, plan = run_volume(model, volume, params)
+    array, plan = run_volume(
+        model, volume, params, budget=limits.budget, should_stop=should_stop, progress=progress
+    )
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
     encode(volume, array, fmt, path)
     seconds = time.perf_counter() - started

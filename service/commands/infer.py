@@ -55,7 +55,7 @@ def _run(args: argparse.Namespace) -> int:
     from models.params import parse_params
     from service.codecs import configure_pillow
     from service.errors import ServiceError
-    from service.pipeline import run_file
+    from service.pipeline import Limits, run_file
     from service.settings import Settings
     from tiling import TilingError
 
@@ -72,7 +72,8 @@ def _run(args: argparse.Namespace) -> int:
         params = parse_params(raw)
         model = ModelRepository(settings.models_dir, device=settings.device).get(args.model)
         target.parent.mkdir(parents=True, exist_ok=True)
-        result = run_file(model, args.input, stem, params, max_image_pixels=settings.max_image_pixels)
+        limits = Limits(max_image_pixels=settings.max_image_pixels)
+        result = run_file(model, args.input, stem, params, limits=limits, progress=args.progress)
         os.replace(result.path, target)
     except (ServiceError, ModelError, TilingError) as exc:
         logger.error("infer failed: %s", exc)

@@ -195,6 +195,7 @@ def test_every_public_exception_has_an_http_mapping() -> None:
         "InferenceError": 500, "DeviceOutOfMemoryError": 503, "ExportError": 500,
         "ImportRefusedError": 500, "ModelUnavailableError": 503, "TilingError": 500,
         "GridError": 400, "ShapeMismatchError": 500, "CoverageError": 500, "AccumulatorStateError": 500,
+        "OverBudgetError": 422, "MemoryBudgetError": 413, "UploadTimeoutError": 408, "RunCancelledError": 503,
     }  # fmt: skip
     classes = [*_public_errors(service_errors), *_public_errors(model_errors), *_public_errors(tiling_errors)]
     assert {c.__name__ for c in classes} == set(expected)
