@@ -271,6 +271,8 @@ def run_file(
     array, plan = run_volume(
         model, volume, params, budget=limits.budget, should_stop=should_stop, progress=progress
     )
+    if plan.warning:
+        logger.warning("model %s: %s", spec.name, plan.warning)
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
     encode(volume, array, fmt, path)
     seconds = time.perf_counter() - started

@@ -40,7 +40,8 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The output file, on the input's grid (same size; NIfTI: same affine, qform/sform "
         "codes, zooms and units). `X-Tilewise-*` headers describe it; `X-Tilewise-Plan` gives the plan "
-        "that ran (`tile=96,96,96; halo=8,8,8; overlap=0,0,0; tiles=27; work=1.49`).",
+        "that ran (`tile=96,96,96; halo=8,8,8; overlap=0,0,0; tiles=27; work=1.49`); `X-Tilewise-Warning` "
+        "says (one sentence) when a given halo is below a local model's receptive-field radius.",
         "content": {
             t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")
         },
@@ -101,7 +102,9 @@ class _CleanupFileResponse(FileResponse):
 
 
 def _headers(label: str, result: InferenceResult) -> dict[str, str]:
+    warning = {"X-Tilewise-Warning": result.plan.warning} if result.plan.warning else {}
     return {
+        **warning,
         "X-Tilewise-Model": label,
         "X-Tilewise-Format": result.format,
         "X-Tilewise-Output": result.output_kind,
