@@ -235,8 +235,9 @@ def to_frame(
 
     if np.ndim(volume) != 3:
         raise InputError(f"{BRAIN_MASK_NAME}: expected a 3-D volume (X, Y, Z), got shape {np.shape(volume)}")
-    ornt = nib.io_orientation(np.asarray(affine, dtype=np.float64))
-    ras = np.nan_to_num(nib.orientations.apply_orientation(np.asarray(volume, dtype=np.float32), ornt))
+    ornt = nib.io_orientation(np.asarray(affine, dtype=np.float64))  # type: ignore[no-untyped-call]
+    ras = np.asarray(volume, dtype=np.float32)
+    ras = np.nan_to_num(nib.orientations.apply_orientation(ras, ornt))  # type: ignore[no-untyped-call]
     box = brain_box(ras) if box is None else box
     crop = torch.from_numpy(np.ascontiguousarray(ras[box]))
     fitted = F.interpolate(crop[None, None], size=FRAME_SHAPE, mode="nearest-exact")[0]
@@ -272,8 +273,10 @@ def from_frame(
         inside = F.interpolate(src, size=box_shape, mode="nearest-exact")[0]
     out = np.full((values.shape[0], *ras_shape), fill, dtype=np.float32)
     out[(slice(None), *frame.box)] = inside.numpy()
-    back = nib.orientations.ornt_transform(np.array([[0, 1], [1, 1], [2, 1]]), frame.ornt)
-    return np.stack([nib.orientations.apply_orientation(c, back) for c in out]).astype(np.float32, copy=False)
+    orient = nib.orientations
+    back = orient.ornt_transform(np.array([[0, 1], [1, 1], [2, 1]]), frame.ornt)  # type: ignore[no-untyped-call]
+    flipped = [orient.apply_orientation(c, back) for c in out]  # type: ignore[no-untyped-call]
+    return np.stack(flipped).astype(np.float32, copy=False)
 
 
 def brain_mask(
