@@ -18,6 +18,7 @@ from fastapi.responses import FileResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from models.errors import ModelError, ModelUnavailableError
 from models.params import InferenceParams, parse_query
 from service.budget import Budget
 from service.deps import ExecutorDep, MetricsDep, RepositoryDep, SettingsDep
@@ -115,9 +116,20 @@ def _headers(label: str, result: InferenceResult) -> dict[str, str]:
     }
 
 
+def _loaded(repository: Any, name: str) -> Any:
+    """``repository.get(name)``; a model that fails to load now is unavailable (503) from here on."""
+    try:
+        return repository.get(name)
+    except ModelError as exc:
+        if isinstance(exc, ModelUnavailableError) or not hasattr(repository, "unavailable"):
+            raise
+        why = repository.unavailable().get(name, str(exc))
+        raise ModelUnavailableError(f"model {name!r} is unavailable: {why}") from exc
+
+
 def _precheck(repository: Any, name: str, source: Path, params: InferenceParams, limits: Limits) -> None:
     """Worker-thread check of the uploaded file's header and plan, before it takes a slot."""
-    precheck(repository.get(name), source, params, limits)
+    precheck(_loaded(repository, name), source, params, limits)
 
 
 def _work(
@@ -132,7 +144,7 @@ def _work(
 ) -> InferenceResult:
     """Executor-thread work of one request (load the model if needed, run the pipeline), then its
     metrics from the one plan. Tiles are counted batch by batch as they run."""
-    model = repository.get(name)
+    model = _loaded(repository, name)
     tiles = metrics.tiles.labels(model.spec.name)
     result = run_file(model, source, stem, params, limits=limits, should_stop=stop.is_set, progress=tiles.inc)
     metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
