@@ -151,7 +151,12 @@ def import_file(source: Path, *, name: str | None, models_dir: Path, fmt: str | 
     facts = probe_network(run, name=name, spatial_dims=dims, in_channels=channels)
     models_dir.mkdir(parents=True, exist_ok=True)
     weights = models_dir / f"{name}{FORMATS[target]}"
-    if target == kind:
+    if target == kind == "onnx":  # one self-contained file: external data (x.onnx.data) folded in
+        import onnx
+
+        graph = onnx.load(str(source), load_external_data=True)
+        onnx.save_model(graph, str(weights), save_as_external_data=False)
+    elif target == kind:
         if source.resolve() != weights.resolve():
             shutil.copyfile(source, weights)
     else:
