@@ -97,7 +97,7 @@ def test_import_maps_plans_and_dataset(models_dir: Path) -> None:
     ]
     assert spec["output"] == {"activation": "softmax", "kind": "labels", "tta_average": "logits"}
     assert spec["defaults"] == {"tile": [48, 48, 32], "halo": 0, "overlap": [24, 24, 16],
-                                "blend": "gaussian", "batch_size": 1, "tta": "mirror"}  # fmt: skip
+                                "blend": "triangular", "batch_size": 1, "tta": "mirror"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
