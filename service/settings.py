@@ -13,6 +13,7 @@ Variable                          Meaning
 ``TILEWISE_RETRY_AFTER_S``        the ``Retry-After`` value sent with 503
 ``TILEWISE_TMP_DIR``              folder for upload / result temporary files (default: system)
 ``TILEWISE_WARMUP``               run every model once on a tiny input at start-up
+``TILEWISE_STRICT_MODELS``       a model that fails to load stops the server (default: listed unavailable)
 ``TILEWISE_GRACEFUL_SHUTDOWN_S``  on SIGTERM, seconds running requests get to finish (default 120)
 ``TILEWISE_DRAIN_S``              on SIGTERM, seconds ``/readyz`` fails (and responses close their
                                   connections) before the listener closes (default 5)
@@ -85,6 +86,7 @@ class Settings(BaseSettings):
     retry_after_s: int = Field(default=2, ge=0)
     tmp_dir: Path | None = None
     warmup: bool = True
+    strict_models: bool = False
     graceful_shutdown_s: int = Field(default=120, ge=0)
     drain_s: float = Field(default=5.0, ge=0)
     max_batch_size: int = Field(default=256, ge=1)

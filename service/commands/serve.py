@@ -76,6 +76,15 @@ def register(sub: Any) -> None:
         default=None,
         help="skip the warm-up run of each model at start-up; TILEWISE_WARMUP=false",
     )
+    parser.add_argument(
+        "--strict-models",
+        dest="strict_models",
+        action="store_const",
+        const=True,
+        default=None,
+        help="any model that fails to load stops the server (default: it is listed as unavailable); "
+        "TILEWISE_STRICT_MODELS=true",
+    )
     parser.set_defaults(run=_run)
 
 
@@ -83,7 +92,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     """The :class:`~service.settings.Settings` of ``args``: options over ``TILEWISE_*`` variables."""
     from service.settings import Settings
 
-    fields = [field for _, field, _, _ in _SETTINGS] + ["warmup"]
+    fields = [field for _, field, _, _ in _SETTINGS] + ["warmup", "strict_models"]
     given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
     return Settings(**given)
 
