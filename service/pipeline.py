@@ -75,13 +75,14 @@ class Limits:
 
     @classmethod
     def from_settings(cls, settings: Any) -> Limits:
-        """The limits of :class:`~service.settings.Settings` (decompressed bytes: the upload limit)."""
+        """The limits of :class:`~service.settings.Settings` (decompressed bytes:
+        ``max_decoded_bytes``, else the request memory budget)."""
         from service.budget import Budget
 
         return cls(
             settings.max_voxels,
             settings.max_image_pixels,
-            settings.max_upload_bytes,
+            settings.max_decoded_bytes or settings.max_request_bytes,
             Budget.from_settings(settings),
         )
 

@@ -21,6 +21,8 @@ Variable                          Meaning
 ``TILEWISE_MAX_WORK``             most voxels through the network per input voxel (422 beyond; default 64)
 ``TILEWISE_MAX_REQUEST_BYTES``    most memory one request's plan may predict (413 beyond; default: half
                                   the memory of the machine or container)
+``TILEWISE_MAX_DECODED_BYTES``    bytes an input may declare once decompressed, from its header (413
+                                  beyond; default: ``TILEWISE_MAX_REQUEST_BYTES``)
 ``TILEWISE_MAX_UPLOADS``          uploads in progress at once (503 beyond; default 16); an upload
                                   takes an inference slot only once its body has arrived
 ``TILEWISE_UPLOAD_MIN_RATE``      bytes/s an upload must average after the grace period (408 below;
@@ -89,6 +91,7 @@ class Settings(BaseSettings):
     max_tiles: int = Field(default=65536, ge=1)
     max_work: float = Field(default=64.0, gt=0)
     max_request_bytes: int = Field(default_factory=lambda: memory_limit_bytes() // 2, ge=1)
+    max_decoded_bytes: int | None = Field(default=None, ge=1)
     max_uploads: int = Field(default=16, ge=1)
     upload_min_rate: int = Field(default=16384, ge=0)
     upload_grace_s: float = Field(default=10.0, ge=0)

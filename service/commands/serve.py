@@ -40,6 +40,7 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--max-tiles", "max_tiles", _positive, "most tiles one request may run (65536)"),
     ("--max-work", "max_work", _work, "most voxels through the network per input voxel (64)"),
     ("--max-request-bytes", "max_request_bytes", _positive, "most memory one request's plan may predict"),
+    ("--max-decoded-bytes", "max_decoded_bytes", _positive, "bytes an input may inflate to"),
     ("--max-uploads", "max_uploads", _positive, "uploads in progress at once (16)"),
     ("--upload-min-rate", "upload_min_rate", _count, "bytes/s an upload must average (16384)"),
     ("--upload-grace", "upload_grace_s", _seconds, "seconds before the minimum rate applies (10)"),
