@@ -30,6 +30,7 @@ from service.metrics import Metrics
 from service.requestid import RequestIdMiddleware
 from service.routes import health_router, v1_router
 from service.routes.apidocs import install_docs
+from service.routes.page import install_page
 from service.settings import Settings, get_settings
 from service.upload import UploadSlots
 from service.workdir import WorkRoot
@@ -164,6 +165,7 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
     app.include_router(health_router)
     app.include_router(v1_router)
     install_docs(app)
+    install_page(app)
     return app
 
 

@@ -39,6 +39,8 @@ Variable                          Meaning
                                   (renewed every third of it); then another replica takes the job over
                                   (default 30; at once when the owner's process is gone, same host)
 ``TILEWISE_JOB_SCAN_S``           seconds between two looks for jobs to take over (default 1)
+``TILEWISE_WEB_DIR``              folder of the page's viewer (NiiVue), filled by ``tilewise setup-web``
+                                  (default: ``~/.cache/tilewise/web``)
 ================================  ===========================================================================
 
 ``tilewise serve`` has an option for each (``--api-key``, ``--queue-size`` ...); an option wins
@@ -103,6 +105,7 @@ class Settings(BaseSettings):
     job_ttl_s: float = Field(default=86400.0, gt=0)
     job_lease_s: float = Field(default=30.0, gt=0)
     job_scan_s: float = Field(default=1.0, gt=0)
+    web_dir: Path | None = None
 
     @field_validator("device", mode="before")
     @classmethod

@@ -50,6 +50,7 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--job-ttl", "job_ttl_s", _work, "seconds a finished job and its result are kept (86400)"),
     ("--job-lease", "job_lease_s", _work, "seconds a job's lease outlives its owner's last renewal (30)"),
     ("--job-scan", "job_scan_s", _work, "seconds between two looks for jobs to take over (1)"),
+    ("--web-dir", "web_dir", Path, "folder of the page's viewer files (default: ~/.cache/tilewise/web)"),
 )
 
 
