@@ -25,7 +25,7 @@ from models.plan import RunPlan
 from models.preprocess import make_reduce, preprocess
 from models.receptive import HaloCalibration
 from models.spec import ModelSpec
-from tiling import TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
+from tiling import Resume, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
 from tiling.geometry import as_ints
 
 __all__ = ["Model"]
@@ -123,14 +123,45 @@ class Model:
             # margins it was calibrated with (text-det-2d's calibrated halo 61 errs by 0.023 with
             # tiles sized to the grid). A tile-dependent network's output depends on the tile it
             # sees, so its plans hold at the tile size they were measured at (brain-mask-3d, 192^3
-            # tiles over its 256^3 frame: Dice 0.98 against the whole pass; sized to 160^3, 0.966).
+            # tiles over its 256^3 frame: Dice 0.98 against the whole pass; sized to 160^3, 0.966),
+            # and it sees the patch shape it was trained on, as in nnU-Net's and MONAI's windows.
             fixed_tile_shape=p.halo == "auto" or spec.tile_dependent,
         )
+        warning = self._halo_warning(grid, halo) if source == "given" else None
         plan = RunPlan(
-            spec.name, shape, tile, halo, overlap, p.blend, p.batch_size, p.output, source, grid, p.tta
+            spec.name,
+            shape,
+            tile,
+            halo,
+            overlap,
+            p.blend,
+            p.batch_size,
+            p.output,
+            source,
+            grid,
+            p.tta,
+            warning,
         )
         logger.info("model %s: plan %s (halo from %s)", spec.name, plan.header(), source)
         return plan
+
+    def _halo_warning(self, grid: TileGrid, halo: tuple[int, ...]) -> str | None:
+        """The warning for a given halo below a local model's radius where tiles meet, else ``None``."""
+        radius = self.known_receptive_field
+        if self.spec.tile_dependent or radius is None:
+            return None
+        short = [a for a, axis in enumerate(grid.axes) if axis.n_tiles > 1 and halo[a] < radius[a]]
+        if not short:
+            return None
+
+        def axes(values: Sequence[int]) -> str:
+            return ",".join(str(v) for v in values)
+
+        return (
+            f"halo {axes(halo)} is below the receptive-field radius {axes(radius)} of model "
+            f"{self.spec.name!r}, so the output differs from the whole-image result near tile seams "
+            f"(use halo={axes(radius)} or halo=auto)."
+        )
 
     def _auto_halo(
         self,
@@ -164,6 +195,7 @@ class Model:
         out: npt.NDArray[Any] | None = None,
         progress: bool | Callable[[int], object] = False,
         should_stop: Callable[[], bool] | None = None,
+        resume: Resume | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
@@ -177,7 +209,9 @@ class Model:
             over channels; ``p > 0.5`` for one channel); ``out`` when given.
 
         ``progress`` (a bar, or a callback of each batch's tile count) and ``should_stop`` (asked
-        before every batch) are :func:`tiling.tiled_inference`'s.
+        before every batch) are :func:`tiling.tiled_inference`'s; so is ``resume`` (with ``out``, a
+        run that continues one stopped at a finished tile row), which a ``tta=mirror`` plan ignores:
+        its passes are averaged in memory, so it always runs whole.
 
         Raises:
             InputError: ``x`` is not the image the plan was made for.
@@ -195,7 +229,7 @@ class Model:
         if len(plan.flips) == 1:
             target = out[None] if out is not None and labels else out
             reduce = make_reduce(spec.activation, plan.output.value)
-            result = self._tiled(x, plan, reduce, target, progress, should_stop)
+            result = self._tiled(x, plan, reduce, target, progress, should_stop, resume)
         else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
             logits = spec.output.tta_average == "logits"
             per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
@@ -231,6 +265,7 @@ class Model:
         out: Any,
         progress: bool | Callable[[int], object],
         should_stop: Callable[[], bool] | None = None,
+        resume: Resume | None = None,
     ) -> npt.NDArray[Any]:
         """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
         from tiling import tiled_inference
@@ -257,6 +292,7 @@ class Model:
                     progress=progress,
                     fixed_tile_shape=plan.grid.fixed_tile_shape,
                     should_stop=should_stop,
+                    resume=resume,
                 )
             finally:
                 if self.context is not None:
