@@ -25,7 +25,7 @@ from models.plan import RunPlan
 from models.preprocess import make_reduce, preprocess
 from models.receptive import HaloCalibration
 from models.spec import ModelSpec
-from tiling import TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
+from tiling import Resume, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
 from tiling.geometry import as_ints
 
 __all__ = ["Model"]
@@ -195,6 +195,7 @@ class Model:
         out: npt.NDArray[Any] | None = None,
         progress: bool | Callable[[int], object] = False,
         should_stop: Callable[[], bool] | None = None,
+        resume: Resume | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
@@ -208,7 +209,9 @@ class Model:
             over channels; ``p > 0.5`` for one channel); ``out`` when given.
 
         ``progress`` (a bar, or a callback of each batch's tile count) and ``should_stop`` (asked
-        before every batch) are :func:`tiling.tiled_inference`'s.
+        before every batch) are :func:`tiling.tiled_inference`'s; so is ``resume`` (with ``out``, a
+        run that continues one stopped at a finished tile row), which a ``tta=mirror`` plan ignores:
+        its passes are averaged in memory, so it always runs whole.
 
         Raises:
             InputError: ``x`` is not the image the plan was made for.
@@ -226,7 +229,7 @@ class Model:
         if len(plan.flips) == 1:
             target = out[None] if out is not None and labels else out
             reduce = make_reduce(spec.activation, plan.output.value)
-            result = self._tiled(x, plan, reduce, target, progress, should_stop)
+            result = self._tiled(x, plan, reduce, target, progress, should_stop, resume)
         else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
             logits = spec.output.tta_average == "logits"
             per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
@@ -262,6 +265,7 @@ class Model:
         out: Any,
         progress: bool | Callable[[int], object],
         should_stop: Callable[[], bool] | None = None,
+        resume: Resume | None = None,
     ) -> npt.NDArray[Any]:
         """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
         from tiling import tiled_inference
@@ -288,6 +292,7 @@ class Model:
                     progress=progress,
                     fixed_tile_shape=plan.grid.fixed_tile_shape,
                     should_stop=should_stop,
+                    resume=resume,
                 )
             finally:
                 if self.context is not None:

@@ -1,9 +1,10 @@
 """The one orchestration of a request: decode, fit, preprocess, plan, tiled run, postprocess, encode.
 
-The server (in its executor thread) and ``tilewise infer`` both call :func:`run_file`, so their
-outputs are identical for the same file and parameters. The :class:`~models.RunPlan` is made once,
-on the preprocessed image, before the run; the result carries it to the metrics
-(``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``). Nothing plans again after a run.
+The server (in its executor thread, for a request or a job) and ``tilewise infer`` all call
+:func:`run_file`, so their outputs are identical for the same file and parameters. The
+:class:`~models.RunPlan` is made once, on the preprocessed image, before the run; the result
+carries it to the metrics (``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``).
+Nothing plans again after a run.
 
 Layout rules (DESIGN.md "Interfaces in detail"): a 2D image ``(C, H, W)`` goes to 2D models; a
 NIfTI ``(C, X, Y, Z)`` goes to 3D models, and also to 2D models when ``Z == 1`` (a single slice),
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -29,9 +30,11 @@ from service.errors import BadParameterError, UnusableInputError
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
     from service.budget import Budget
+    from tiling import Resume
 
 __all__ = [
     "MEDIA_TYPES",
+    "Checkpoint",
     "InferenceResult",
     "Limits",
     "check_input",
@@ -72,15 +75,24 @@ class Limits:
 
     @classmethod
     def from_settings(cls, settings: Any) -> Limits:
-        """The limits of :class:`~service.settings.Settings` (decompressed bytes: the upload limit)."""
+        """The limits of :class:`~service.settings.Settings` (decompressed bytes:
+        ``max_decoded_bytes``, else the request memory budget)."""
         from service.budget import Budget
 
         return cls(
             settings.max_voxels,
             settings.max_image_pixels,
-            settings.max_upload_bytes,
+            settings.max_decoded_bytes or settings.max_request_bytes,
             Budget.from_settings(settings),
         )
+
+
+class Checkpoint(Protocol):
+    """Where a resumable run keeps its output (a job's memmap, :mod:`service.jobs.checkpoint`)."""
+
+    def start(self, plan: RunPlan, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[Any, Resume]:
+        """The ``out`` array of ``shape`` and ``dtype`` for ``plan`` (holding the rows a stopped run
+        of the same plan finished) and the :class:`tiling.Resume` that continues from them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,12 +218,15 @@ def run_volume(
     budget: Budget | None = None,
     should_stop: Callable[[], bool] | None = None,
     progress: bool | Callable[[int], object] = False,
+    checkpoint: Checkpoint | None = None,
 ) -> tuple[np.ndarray, RunPlan]:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
     The plan is checked against ``budget`` before the network sees a tile; ``should_stop`` is
     asked before every batch (the run ends with :class:`tiling.RunCancelledError`); ``progress``
-    shows a bar of tiles on stderr, or is called with each batch's tile count.
+    shows a bar of tiles on stderr, or is called with each batch's tile count. With a
+    ``checkpoint`` the network's output goes to its array, and a run of the same plan that stopped
+    continues from its last finished tile row.
 
     Returns:
         ``(array, plan)``: uint8 ``(*spatial)`` labels or float32 ``(C_out, *spatial)`` values with
@@ -223,7 +238,10 @@ def run_volume(
     plan = model.plan(x.shape[1:], params, sample=x)
     if budget is not None:
         budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=volume.data.nbytes)
-    result = np.asarray(model.execute(x, plan, progress=progress, should_stop=should_stop))
+    out, resume = checkpoint.start(plan, *_output_layout(spec, plan)) if checkpoint else (None, None)
+    result = np.asarray(
+        model.execute(x, plan, out=out, resume=resume, progress=progress, should_stop=should_stop)
+    )
     if dropped:
         result = result[..., None]
     if plan.output == "labels":
@@ -231,6 +249,15 @@ def run_volume(
     elif result.dtype != np.float32:
         result = result.astype(np.float32)
     return result, plan
+
+
+def _output_layout(spec: Any, plan: RunPlan) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """Shape and dtype of :meth:`models.Model.execute`'s result for ``plan``."""
+    spatial = tuple(plan.grid.out_shape)
+    if plan.output == "labels":
+        return spatial, np.dtype(np.uint8)
+    dtype = np.float16 if spec.output_dtype == "float16" else np.float32
+    return (int(spec.out_channels), *spatial), np.dtype(dtype)
 
 
 def run_file(
@@ -242,6 +269,7 @@ def run_file(
     limits: Limits | None = None,
     should_stop: Callable[[], bool] | None = None,
     progress: bool | Callable[[int], object] = False,
+    checkpoint: Checkpoint | None = None,
 ) -> InferenceResult:
     """Check ``source``'s header, decode it, run ``model``, write the output next to ``target_stem``.
 
@@ -255,6 +283,7 @@ def run_file(
         should_stop: asked before every batch; true stops the run (``tiling.RunCancelledError``).
         progress: show a progress bar of tiles on stderr, or a callable called with each
             batch's tile count (the server's ``tilewise_tiles_total``).
+        checkpoint: keeps the network's output on disk so that a stopped run resumes (jobs).
     """
     started = time.perf_counter()
     limits = limits or Limits()
@@ -269,7 +298,13 @@ def run_file(
     output_kind = str(params.output or spec.defaults.output)
     fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
     array, plan = run_volume(
-        model, volume, params, budget=limits.budget, should_stop=should_stop, progress=progress
+        model,
+        volume,
+        params,
+        budget=limits.budget,
+        should_stop=should_stop,
+        progress=progress,
+        checkpoint=checkpoint,
     )
     if plan.warning:
         logger.warning("model %s: %s", spec.name, plan.warning)

@@ -28,6 +28,7 @@ from tiling.plan import (
     fits_one_tile,
     round_up,
 )
+from tiling.resume import Resume, ResumePoint, resume_point
 from tiling.windows import pad_to_fit, sample_windows, sliding_windows
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "CoverageError",
     "GridError",
     "PaddingMode",
+    "Resume",
+    "ResumePoint",
     "RunCancelledError",
     "ShapeMismatchError",
     "Tile",
@@ -49,6 +52,7 @@ __all__ = [
     "context_halo",
     "fits_one_tile",
     "pad_to_fit",
+    "resume_point",
     "round_up",
     "sample_windows",
     "sliding_windows",
