@@ -27,6 +27,7 @@ import json
 import logging
 import pydoc
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -219,7 +220,9 @@ def _network(parser: Any, root: Path, where: str) -> nn.Module:
         load_weights(network, weights, str(root.name))
         return network.eval()
     if script.is_file():
-        module: nn.Module = torch.jit.load(str(script), map_location="cpu")  # type: ignore[no-untyped-call]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript deprecation notices
+            module: nn.Module = torch.jit.load(str(script), map_location="cpu")  # type: ignore[no-untyped-call]
         return module.eval()
     raise ImportRefusedError(f"{root}: neither 'network_def' with models/model.pt nor models/model.ts")
 
