@@ -364,8 +364,10 @@ class JobService:
     # -- keeper and scanner -------------------------------------------------------------------------
 
     def _keep(self) -> None:
-        """Renew held leases every third of ``lease_s``; pass on cancellations asked elsewhere."""
-        interval = max(0.05, self.settings.job_lease_s / 3)
+        """Renew held leases (every third of ``lease_s``, or every scan when that is sooner) and
+        pass on cancellations asked of another replica (a queued job is dropped at once; a running
+        one checks for itself before every batch)."""
+        interval = max(0.05, min(self.settings.job_lease_s / 3, self.settings.job_scan_s))
         while not self._closing.wait(interval):
             with self._lock:
                 held = list(self._held.items())
