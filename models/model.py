@@ -123,14 +123,45 @@ class Model:
             # margins it was calibrated with (text-det-2d's calibrated halo 61 errs by 0.023 with
             # tiles sized to the grid). A tile-dependent network's output depends on the tile it
             # sees, so its plans hold at the tile size they were measured at (brain-mask-3d, 192^3
-            # tiles over its 256^3 frame: Dice 0.98 against the whole pass; sized to 160^3, 0.966).
+            # tiles over its 256^3 frame: Dice 0.98 against the whole pass; sized to 160^3, 0.966),
+            # and it sees the patch shape it was trained on, as in nnU-Net's and MONAI's windows.
             fixed_tile_shape=p.halo == "auto" or spec.tile_dependent,
         )
+        warning = self._halo_warning(grid, halo) if source == "given" else None
         plan = RunPlan(
-            spec.name, shape, tile, halo, overlap, p.blend, p.batch_size, p.output, source, grid, p.tta
+            spec.name,
+            shape,
+            tile,
+            halo,
+            overlap,
+            p.blend,
+            p.batch_size,
+            p.output,
+            source,
+            grid,
+            p.tta,
+            warning,
         )
         logger.info("model %s: plan %s (halo from %s)", spec.name, plan.header(), source)
         return plan
+
+    def _halo_warning(self, grid: TileGrid, halo: tuple[int, ...]) -> str | None:
+        """The warning for a given halo below a local model's radius where tiles meet, else ``None``."""
+        radius = self.known_receptive_field
+        if self.spec.tile_dependent or radius is None:
+            return None
+        short = [a for a, axis in enumerate(grid.axes) if axis.n_tiles > 1 and halo[a] < radius[a]]
+        if not short:
+            return None
+
+        def axes(values: Sequence[int]) -> str:
+            return ",".join(str(v) for v in values)
+
+        return (
+            f"halo {axes(halo)} is below the receptive-field radius {axes(radius)} of model "
+            f"{self.spec.name!r}, so the output differs from the whole-image result near tile seams "
+            f"(use halo={axes(radius)} or halo=auto)."
+        )
 
     def _auto_halo(
         self,

@@ -34,6 +34,8 @@ class RunPlan:
             sample.
         grid: the tile grid the run executes (once per entry of :attr:`flips`).
         tta: test-time augmentation.
+        warning: one sentence when a given halo is below a local model's receptive-field radius
+            on an axis with more than one tile (the ``X-Tilewise-Warning`` header), else ``None``.
     """
 
     model: str
@@ -47,6 +49,7 @@ class RunPlan:
     halo_source: str
     grid: TileGrid
     tta: Tta = Tta.NONE
+    warning: str | None = None
 
     @property
     def flips(self) -> tuple[tuple[int, ...], ...]:

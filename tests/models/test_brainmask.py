@@ -4,8 +4,8 @@ Acceptance (issue 12, item 5): on nilearn's MNI152 T1, Dice >= 0.90 against nile
 and >= 0.98 against the network's whole-volume pass. The default plan is one tile: the whole 256^3
 frame, i.e. the whole-volume pass itself. The tiled plan checked against it is the one for a
 smaller memory budget (224^3 tiles, 2x2x2 over the frame, Gaussian blend): measured in
-benchmarks/BRAINMASK.md at Dice 0.991 against the whole pass and a seam mean of 0.005, where
-192^3 tiles disagree by 0.25 on average and 128^3 tiles fall to Dice 0.75-0.78.
+benchmarks/BRAINMASK.md at Dice 0.991 against the whole pass and a seam mean of 0.002, where
+192^3 tiles disagree by 0.03 on average and 128^3 tiles fall to Dice 0.75-0.78.
 
 The network file comes from ``tilewise setup-models`` (``models.DEFAULT_MODELS_DIR``); without it
 the tests that run the network skip locally and fail in CI (``CI`` set), as for text-det-2d.
