@@ -21,6 +21,7 @@ from tiling.plan import (
     fits_one_tile,
     round_up,
 )
+from tiling.seam import SeamStats
 from tiling.windows import pad_to_fit, sample_windows, sliding_windows
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "CoverageError",
     "GridError",
     "PaddingMode",
+    "SeamStats",
     "ShapeMismatchError",
     "Tile",
     "TileGrid",

@@ -17,6 +17,7 @@ from tiling.execute import Batch, Staged, TileReader, Transfers
 from tiling.geometry import PaddingMode, parse_enum
 from tiling.grid import TileGrid
 from tiling.merge import Merger, Reducer, make_merger
+from tiling.seam import SeamMeter, SeamStats
 from tiling.sink import Sink
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def tiled_inference(
     *,
     fixed_tile_shape: bool = False,
     prefetch: bool = True,
+    seam: SeamStats | None = None,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
 
@@ -85,6 +87,9 @@ def tiled_inference(
         prefetch: read and pad the next batch in a background thread while the predictor runs on
             the current one (default). ``False`` reads each batch just before it is predicted
             (e.g. to measure what the overlap gains, or for a source that is not thread-safe).
+        seam: a :class:`~tiling.seam.SeamStats` that receives the disagreement between overlapping
+            tiles' predictions where they overlap, measured during the run (see
+            :mod:`tiling.seam`; memory about that of the slab merger again). ``None``: not measured.
 
     Returns:
         ``(C_out or C_red, *ceil(spatial * scale))`` of the input's array type (numpy for numpy,
@@ -120,13 +125,13 @@ def tiled_inference(
         if not is_torch:
             sink = Sink(out, grid.out_shape, like="numpy")
             _run_one(inputs, grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar)  # fmt: skip
+                     prefetch, bar, seam)  # fmt: skip
             return sink.result()
         results = []
         for n in range(shape[0]):
             sink = Sink(None if out is None else out[n], grid.out_shape, like="torch", device=acc_device)
             _run_one(inputs[n], grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar)  # fmt: skip
+                     prefetch, bar, seam)  # fmt: skip
             results.append(sink.result())
         return out if out is not None else torch.stack(results)
     finally:
@@ -167,9 +172,11 @@ def _run_one(
     reduce: Reducer | None,
     prefetch: bool,
     bar: Any,
+    seam: SeamStats | None = None,
 ) -> None:
     """Stream the tiles of one ``(C, *spatial)`` source through ``predictor`` into ``sink``."""
     merger = make_merger(grid, sink, reduce, transfers.merge_device)
+    meter = None if seam is None else SeamMeter(grid, seam, transfers.merge_device)
     pin = transfers.run_device.type == "cuda"
     c_out: int | None = None
     in_flight: deque[tuple[Batch, Staged]] = deque()
@@ -183,16 +190,18 @@ def _run_one(
             logger.debug("batch %d: %d tiles -> %s", b, len(batch.tiles), tuple(pred.shape))
             in_flight.append((batch, transfers.from_device(pred)))
             while len(in_flight) > transfers.lag:  # on CUDA the next batch is launched first
-                _merge(merger, reader, *in_flight.popleft())
+                _merge(merger, reader, *in_flight.popleft(), meter)
             bar.update(len(batch.tiles))
         while in_flight:
-            _merge(merger, reader, *in_flight.popleft())
+            _merge(merger, reader, *in_flight.popleft(), meter)
     merger.finish()
 
 
-def _merge(merger: Merger, reader: TileReader, batch: Batch, staged: Staged) -> None:
+def _merge(merger: Merger, reader: TileReader, batch: Batch, staged: Staged, meter: SeamMeter | None) -> None:
     values = staged.wait()
     for k, tile in enumerate(batch.tiles):
+        if meter is not None:
+            meter.add(tile, values[k])
         merger.add(tile, values[k][(slice(None), *tile.crop)])
     reader.release(batch)  # after merging: the prediction may be a view of the batch
 
