@@ -87,9 +87,9 @@ class ModelRepository:
     def spec(self, name: str) -> ModelSpec:
         """The spec of ``name`` without loading the model (raises :class:`UnknownModelError`).
 
-        When the spec gives no ``receptive_field`` but the loaded model knows it (probed by
-        :meth:`warmup` or by a ``halo="auto"`` run), the copy returned carries the measured radius,
-        so ``spec(name).info()`` (``/v1/models``, the one serializer) reports it.
+        When the spec gives no ``receptive_field`` (or no ``tile_dependent``) but the loaded model
+        knows it (probed by :meth:`warmup` or by a ``halo="auto"`` run), the copy returned carries
+        the measured value, so ``spec(name).info()`` (``/v1/models``, the one serializer) reports it.
         """
         if name not in self._specs:
             close = difflib.get_close_matches(name, self.names(), n=3, cutoff=0.5)
@@ -101,7 +101,10 @@ class ModelRepository:
         if model is not None:
             radius = model.known_receptive_field
             if radius is not None and radius != spec.receptive_field:
-                return spec.with_receptive_field(radius)
+                spec = spec.with_receptive_field(radius)
+            dependent = model.known_tile_dependent
+            if spec.tile_dependent is None and dependent is not None:
+                spec = spec.model_copy(update={"tile_dependent": dependent})
         return spec
 
     def get(self, name: str) -> Model:
@@ -122,9 +125,12 @@ class ModelRepository:
     def warmup(self, names: Sequence[str] | None = None, *, probe: bool = True) -> None:
         """Load ``names`` (default all) and run one small forward pass each.
 
-        With ``probe`` (default), a model whose receptive field is unknown (no ``receptive_field``
-        in its spec, not analytic) is probed now, once: ``halo="auto"`` needs the radius, and
-        :meth:`spec` / ``/v1/models`` then report it (text-det-2d: about 5 s on two CPU cores).
+        With ``probe`` (default), a model whose spec does not say ``tile_dependent`` is probed for
+        it now, once (:meth:`Model.is_tile_dependent`: two or three passes over one default tile),
+        and a local model whose receptive field is unknown (no ``receptive_field`` in its spec, not
+        analytic) is probed for its radius: ``halo="auto"`` needs both, so no request pays for
+        them, and :meth:`spec` / ``/v1/models`` then report them (text-det-2d's radius: about 5 s
+        on two CPU cores). A tile-dependent model needs no radius (``halo="auto"`` does not search).
         """
         import torch
 
@@ -134,7 +140,12 @@ class ModelRepository:
             size = max(spec.alignment, 8)
             batch = torch.zeros((1, spec.in_channels, *([size] * spec.spatial_dims)))
             model.predictor(batch)
-            if probe and model.known_receptive_field is None:
+            if probe and model.known_tile_dependent is None:
+                start = time.perf_counter()
+                dependent = model.is_tile_dependent()
+                seconds = time.perf_counter() - start
+                logger.info("model %s: tile-dependent %s, probed in %.1f s", name, dependent, seconds)
+            if probe and model.known_receptive_field is None and not model.known_tile_dependent:
                 start = time.perf_counter()
                 radius = model.receptive_field()
                 logger.info(
