@@ -1,9 +1,17 @@
-"""The one orchestration of a request: decode, fit, preprocess, plan, tiled run, postprocess, encode.
+"""The one orchestration of a request: decode, fit, map to the model grid, preprocess, plan, tiled
+run, map back, postprocess, encode.
 
 The server (in its executor thread) and ``tilewise infer`` both call :func:`run_file`, so their
 outputs are identical for the same file and parameters. The :class:`~models.RunPlan` is made once,
 on the preprocessed image, before the run; the result carries it to the metrics
-(``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``). Nothing plans again after a run.
+(``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``, and ``X-Tilewise-Seam`` when the
+model reports its seam). Nothing plans again after a run.
+
+Geometry (:mod:`models.mapping`): a NIfTI is reoriented to the spec's ``orientation`` and resampled
+to its ``spacing`` (or its ``frame``) before preprocessing, and the output comes back on the input's
+exact grid, header and affine (labels as the argmax of probabilities resampled back, slab by slab).
+``spacing=native`` skips the resampling. 2D images (PNG, JPEG, TIFF) carry no affine and no pixel
+size: they always run on their own grid, as ``spacing=native``.
 
 Layout rules (DESIGN.md "Interfaces in detail"): a 2D image ``(C, H, W)`` goes to 2D models; a
 NIfTI ``(C, X, Y, Z)`` goes to 3D models, and also to 2D models when ``Z == 1`` (a single slice),
@@ -14,6 +22,7 @@ model with as many input channels as it has volumes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +36,8 @@ from service.errors import BadParameterError, UnusableInputError
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
+    from models.mapping import MappedRun
+    from tiling import SeamStats
 
 __all__ = ["MEDIA_TYPES", "InferenceResult", "fit_to_model", "plan_format", "run_file", "run_volume"]
 
@@ -56,6 +67,8 @@ class InferenceResult:
     seconds: float
     plan: RunPlan
     size_bytes: int
+    model_shape: tuple[int, ...] = ()
+    seam: SeamStats | None = None
 
     @property
     def n_tiles(self) -> int:
@@ -114,24 +127,26 @@ def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, outpu
     return fmt
 
 
-def run_volume(model: Model, volume: DecodedVolume, params: InferenceParams) -> tuple[np.ndarray, RunPlan]:
+def run_volume(model: Model, volume: DecodedVolume, params: InferenceParams) -> MappedRun:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
     Returns:
-        ``(array, plan)``: uint8 ``(*spatial)`` labels or float32 ``(C_out, *spatial)`` values with
-        ``spatial == volume.spatial_shape``, and the plan that ran.
+        The :class:`~models.mapping.MappedRun`: its ``result`` is uint8 ``(*spatial)`` labels or
+        float32 ``(C_out, *spatial)`` values with ``spatial == volume.spatial_shape``; its
+        ``plan`` the plan that ran (on the model grid), its ``seam`` the measured seam or ``None``.
     """
+    from models.mapping import run_mapped
+
     data, dropped = fit_to_model(volume, model.spec)
-    x = model.preprocess(data)
-    plan = model.plan(x.shape[1:], params, sample=x)
-    result = np.asarray(model.execute(x, plan))
+    run = run_mapped(model, data, volume.affine, params)
+    result = np.asarray(run.result)
     if dropped:
         result = result[..., None]
-    if plan.output == "labels":
+    if run.plan.output == "labels":
         result = result.astype(np.uint8, copy=False)
     elif result.dtype != np.float32:
         result = result.astype(np.float32)
-    return result, plan
+    return dataclasses.replace(run, result=result)
 
 
 def run_file(
@@ -158,7 +173,8 @@ def run_file(
     spec = model.spec
     output_kind = str(params.output or spec.defaults.output)
     fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
-    array, plan = run_volume(model, volume, params)
+    run = run_volume(model, volume, params)
+    array, plan = run.result, run.plan
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
     encode(volume, array, fmt, path)
     seconds = time.perf_counter() - started
@@ -184,4 +200,6 @@ def run_file(
         seconds=seconds,
         plan=plan,
         size_bytes=path.stat().st_size,
+        model_shape=run.mapping.model_shape,
+        seam=run.seam,
     )
