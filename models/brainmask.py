@@ -24,9 +24,10 @@ What deepbet does (``deepbet/bet.py`` and ``deepbet/utils.py`` of the wheel):
 
 The network has learnt where a brain lies in that frame: given a wider field of view it calls
 background "brain" (the MNI152 T1 whole at 1 mm: Dice 0.73 against nilearn's mask; in its frame:
-0.98), and tiles much smaller than the frame see a brain in each tile (128^3 tiles of the 256^3
-frame: Dice 0.77 against the whole pass). Hence the frame here (:func:`to_frame`), and the
-default of one 256^3 tile (see ``benchmarks/BRAINMASK.md`` for the measurements).
+0.98), and tiles much smaller than the frame see a brain of their own (128^3 tiles of the 256^3
+frame: Dice 0.75-0.78 against the whole pass; 192^3: 0.99, but neighbouring tiles disagree by
+0.25 on average where they overlap; 224^3: 0.99 and 0.005). Hence the frame here
+(:func:`to_frame`) and the default of one 256^3 tile, the frame itself (``benchmarks/BRAINMASK.md``).
 
 The spec says all of this but step 4's post-processing (its own spec fields, applied by
 :mod:`models.mapping` for the server, ``tilewise infer`` and :func:`brain_mask` alike):
@@ -105,8 +106,10 @@ def brain_mask_mapping() -> dict[str, Any]:
     The preprocessing is deepbet's (utils.py ``normalize``), run on the 256^3 frame: the 0.5 /
     99.5 % window clipped to [0, 1], z-score, then ``0.226 * z + 0.449``. The network ends in a
     softmax, so the activation is ``none``; ``labels`` (argmax of 2 channels) is deepbet's
-    ``p > 0.5``. The default plan is one 256^3 tile, the frame itself; a smaller tile must stay
-    near the frame's size (192^3, 8 tiles: Dice 0.99 against the whole pass; 128^3: 0.77).
+    ``p > 0.5``. The default plan is one 256^3 tile, the frame itself (one pass, no seam; peak
+    ~660 MB on the CPU). For a smaller memory budget: 224^3 tiles, 2x2x2, Gaussian blend (peak
+    ~490 MB, 5.4x the work; Dice 0.991 against the whole pass, seam mean 0.005); a tile below
+    ~192^3 breaks the network's frame (128^3: Dice 0.75-0.78).
     """
     return {
         "name": BRAIN_MASK_NAME,
@@ -213,8 +216,9 @@ def to_frame(
 
     if np.ndim(volume) != 3:
         raise InputError(f"{BRAIN_MASK_NAME}: expected a 3-D volume (X, Y, Z), got shape {np.shape(volume)}")
-    ornt = nib.io_orientation(np.asarray(affine, dtype=np.float64))
-    ras = np.nan_to_num(nib.orientations.apply_orientation(np.asarray(volume, dtype=np.float32), ornt))
+    ornt = nib.io_orientation(np.asarray(affine, dtype=np.float64))  # type: ignore[no-untyped-call]
+    ras = np.asarray(volume, dtype=np.float32)
+    ras = np.nan_to_num(nib.orientations.apply_orientation(ras, ornt))  # type: ignore[no-untyped-call]
     box = brain_box(ras) if box is None else box
     crop = torch.from_numpy(np.ascontiguousarray(ras[box]))
     fitted = F.interpolate(crop[None, None], size=FRAME_SHAPE, mode="nearest-exact")[0]
@@ -250,8 +254,10 @@ def from_frame(
         inside = F.interpolate(src, size=box_shape, mode="nearest-exact")[0]
     out = np.full((values.shape[0], *ras_shape), fill, dtype=np.float32)
     out[(slice(None), *frame.box)] = inside.numpy()
-    back = nib.orientations.ornt_transform(np.array([[0, 1], [1, 1], [2, 1]]), frame.ornt)
-    return np.stack([nib.orientations.apply_orientation(c, back) for c in out]).astype(np.float32, copy=False)
+    orient = nib.orientations
+    back = orient.ornt_transform(np.array([[0, 1], [1, 1], [2, 1]]), frame.ornt)  # type: ignore[no-untyped-call]
+    flipped = [orient.apply_orientation(c, back) for c in out]  # type: ignore[no-untyped-call]
+    return np.stack(flipped).astype(np.float32, copy=False)
 
 
 def brain_mask(

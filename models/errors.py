@@ -17,6 +17,8 @@ One root, :class:`ModelError`; each class also inherits the builtin it refines, 
         InferenceError(BackendError)               backend failed during forward; original chained
           DeviceOutOfMemoryError(InferenceError)
       ExportError(ModelError)                      export failed or parity exceeded the tolerance
+      ImportRefusedError(ModelError, ValueError)   import-model cannot map a source (names what)
+      ModelUnavailableError(ModelError)            a model listed as unavailable (its spec failed to load)
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ __all__ = [
     "ChecksumMismatchError",
     "DeviceOutOfMemoryError",
     "ExportError",
+    "ImportRefusedError",
     "IncompatibleWeightsError",
     "InferenceError",
     "InputError",
     "ModelError",
+    "ModelUnavailableError",
     "ParamError",
     "RegistryError",
     "SpecError",
@@ -93,3 +97,11 @@ class DeviceOutOfMemoryError(InferenceError):
 
 class ExportError(ModelError):
     """Export failed, or the exported model differs from eager by more than the tolerance."""
+
+
+class ImportRefusedError(ModelError, ValueError):
+    """``tilewise import-model`` cannot map a source; the message names the field or transform."""
+
+
+class ModelUnavailableError(ModelError):
+    """The model is listed but failed to load at start-up; the message gives the reason."""

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from models.errors import InputError
-from models.geometry import GeometryPlan, plan_geometry
+from models.geometry import DEFAULT_SLAB_BYTES, GeometryError, GeometryPlan, plan_geometry
 from models.params import InferenceParams, OutputKind, Spacing
 from models.resample import _oriented, from_model_labels, from_model_probabilities, to_model
 from models.spec import ModelSpec
@@ -57,6 +58,7 @@ __all__ = [
     "MappedRun",
     "PLANE_FRACTION",
     "foreground_box",
+    "header_model_shape",
     "plan_mapping",
     "run_mapped",
 ]
@@ -135,6 +137,19 @@ class GridMapping:
         """``S_m``: the spatial shape the network's plan is made on."""
         return self.frame.model_shape if self.frame is not None else self.geometry.model_shape
 
+    def extra_bytes(self, out_channels: int, *, labels: bool) -> int:
+        """Bytes mapping back holds beyond the run's own (:func:`models.cost.peak_bytes` of its plan).
+
+        With resampling the run ends in ``C_out``-channel float32 probabilities on the model grid
+        (``4 * C_out * prod(S_m)`` instead of ``prod(S_m)`` uint8 labels), then the input-grid
+        output (``prod(S)`` labels or ``4 * C_out * prod(S)``) and one slab; without it, nothing.
+        """
+        if self.is_identity:
+            return 0
+        model, native = math.prod(self.model_shape), math.prod(self.geometry.spatial_shape)
+        back = native if labels else 4 * out_channels * native
+        return 4 * out_channels * model - (model if labels else 0) + back + DEFAULT_SLAB_BYTES
+
     @property
     def is_identity(self) -> bool:
         """Whether the model grid is the input's own (nothing to map, either way)."""
@@ -207,6 +222,28 @@ def plan_mapping(
     return GridMapping(geometry, box, frame, as_float)
 
 
+def header_model_shape(
+    spatial_shape: Sequence[int], affine: npt.ArrayLike | None, spec: ModelSpec, *, native: bool = False
+) -> tuple[int, ...]:
+    """``S_m`` from an input's header alone (shape and affine): what :func:`plan_mapping` will give.
+
+    A frame's shape is its own; a spacing's is planned from the affine. When the affine cannot be
+    planned this is the header's shape (the run refuses the input with the reason).
+    """
+    shape = tuple(int(n) for n in spatial_shape)
+    if affine is None or native:
+        return shape
+    if spec.frame is not None:
+        return tuple(spec.frame.shape)
+    if spec.spacing is None:
+        return shape
+    orientation = spec.orientation if len(shape) == 3 else None
+    try:
+        return plan_geometry(shape, affine, orientation=orientation, spacing_mm=spec.spacing).model_shape
+    except GeometryError:
+        return shape
+
+
 def _resize_plan(box_shape: Sequence[int], target: Sequence[int]) -> GeometryPlan:
     """A plan that resamples a ``box_shape`` array to exactly ``target`` (linear, one field of view)."""
     spacing = [b / t for b, t in zip(box_shape, target, strict=True)]
@@ -241,7 +278,9 @@ def run_mapped(
     affine: npt.ArrayLike | None,
     params: InferenceParams | None = None,
     *,
-    progress: bool = False,
+    check: Callable[[RunPlan, int], None] | None = None,
+    progress: bool | Callable[[int], object] = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> MappedRun:
     """Map ``data`` onto the model's grid, preprocess, plan once, run, and map the output back.
 
@@ -253,20 +292,32 @@ def run_mapped(
         data: ``(C, *S)`` the input, any numeric dtype, ``len(S) == model.spec.spatial_dims``.
         affine: its ``(4, 4)`` voxel-to-world affine, or ``None`` (PNG, TIFF: native grid).
         params: the request's parameters (``spacing=native``: no resampling).
+        check: called with the plan and the bytes the mapping and the seam meter add
+            (:meth:`GridMapping.extra_bytes`) before the network sees a tile (the server's budget).
+        progress, should_stop: as :meth:`Model.execute`.
 
     Raises:
         InputError: the input does not fit the model (``GeometryError`` for its geometry).
-        GridError, InferenceError: as :meth:`Model.run`.
+        GridError, InferenceError, RunCancelledError: as :meth:`Model.execute`.
     """
     p = params or InferenceParams()
-    mapping = plan_mapping(data, affine, model.spec, native=p.spacing == Spacing.NATIVE)
+    spec = model.spec
+    mapping = plan_mapping(data, affine, spec, native=p.spacing == Spacing.NATIVE)
     x = model.preprocess(mapping.to_model(data))
     plan = model.plan(x.shape[1:], p, sample=x)
     seam = model.seam_stats(plan)
+    if check is not None:
+        labels = plan.output == OutputKind.LABELS
+        extra = mapping.extra_bytes(spec.out_channels, labels=labels)
+        if seam is not None:  # the meter's running sum and count over one row of tiles
+            grid = plan.grid
+            extra += 4 * (spec.out_channels + 1) * grid.out_tile_shape[0] * math.prod(grid.out_shape[1:])
+        check(plan, extra)
+    run = {"progress": progress, "should_stop": should_stop, "seam": seam}
     if mapping.is_identity:
-        return MappedRun(model.execute(x, plan, progress=progress, seam=seam), plan, mapping, seam)
+        return MappedRun(model.execute(x, plan, **run), plan, mapping, seam)
     probabilities = dataclasses.replace(plan, output=OutputKind.PROBABILITIES)
-    pred = model.execute(x, probabilities, progress=progress, seam=seam)
+    pred = model.execute(x, probabilities, **run)
     del x
     if plan.output == OutputKind.LABELS:
         result: npt.NDArray[Any] = mapping.labels(pred)

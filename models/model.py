@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -228,24 +228,30 @@ class Model:
         plan: RunPlan,
         *,
         out: npt.NDArray[Any] | None = None,
-        progress: bool = False,
+        progress: bool | Callable[[int], object] = False,
+        should_stop: Callable[[], bool] | None = None,
         seam: SeamStats | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
         With ``tta=mirror`` the plan runs once per flip of the spec's ``mirror_axes`` and the
-        probabilities are averaged before labels are taken: for a local network, tiled TTA equals
-        whole-image TTA. ``seam`` (see :meth:`seam_stats`) gathers the disagreement of
-        overlapping tiles over every pass.
+        probabilities (or, with ``output.tta_average: logits``, the logits, as nnU-Net does) are
+        averaged before labels are taken: for a local network, tiled TTA equals whole-image TTA.
+        ``seam`` (see :meth:`seam_stats`) gathers the disagreement of overlapping tiles over
+        every pass.
 
         Returns:
             ``(C_out, *spatial * scale)`` probabilities after the activation (float32, or float16
             when the spec's output dtype says so), or ``(*spatial * scale)`` uint8 labels (argmax
             over channels; ``p > 0.5`` for one channel); ``out`` when given.
 
+        ``progress`` (a bar, or a callback of each batch's tile count) and ``should_stop`` (asked
+        before every batch) are :func:`tiling.tiled_inference`'s.
+
         Raises:
             InputError: ``x`` is not the image the plan was made for.
             InferenceError: the backend failed (``DeviceOutOfMemoryError`` when out of memory).
+            RunCancelledError: ``should_stop()`` returned true.
         """
         spec = self.spec
         if tuple(x.shape[1:]) != plan.spatial_shape or x.shape[0] != spec.in_channels:
@@ -258,19 +264,20 @@ class Model:
         if len(plan.flips) == 1:
             target = out[None] if out is not None and labels else out
             reduce = make_reduce(spec.activation, plan.output.value)
-            result = self._tiled(x, plan, reduce, target, progress, seam)
-        else:  # tta: the mean of the probabilities over the flipped passes, then the output kind
+            result = self._tiled(x, plan, reduce, target, progress, should_stop, seam)
+        else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
+            logits = spec.output.tta_average == "logits"
+            per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
             total: npt.NDArray[np.float32] | None = None
             for axes in plan.flips:
                 dims = tuple(1 + a for a in axes)
                 flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-                reduce = make_reduce(spec.activation, "probabilities")
-                y = self._tiled(flipped, plan, reduce, None, progress, seam)
+                y = self._tiled(flipped, plan, per_pass, None, progress, should_stop, seam)
                 y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
                 total = y.copy() if total is None else total + y
             assert total is not None
             result = total / np.float32(len(plan.flips))
-            reduce = make_reduce("none", plan.output.value)
+            reduce = make_reduce(spec.activation if logits else "none", plan.output.value)
             if reduce is not None:
                 import torch
 
@@ -306,7 +313,8 @@ class Model:
         plan: RunPlan,
         reduce: Any,
         out: Any,
-        progress: bool,
+        progress: bool | Callable[[int], object],
+        should_stop: Callable[[], bool] | None = None,
         seam: SeamStats | None = None,
     ) -> npt.NDArray[Any]:
         """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
@@ -333,6 +341,7 @@ class Model:
                     reduce=reduce,
                     progress=progress,
                     fixed_tile_shape=plan.grid.fixed_tile_shape,
+                    should_stop=should_stop,
                     seam=seam,
                 )
             finally:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import difflib
 import enum
 import math
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
@@ -34,6 +35,7 @@ __all__ = [
     "StrEnum",
     "Tta",
     "parse_params",
+    "parse_query",
 ]
 
 PerAxis = int | tuple[int, ...]
@@ -94,6 +96,20 @@ class Spacing(StrEnum):
     NATIVE = "native"
 
 
+# ASCII digits only: Python's int() and float() also take other scripts' digits ("٦٤" is 64) and
+# underscores ("1_000"), which no client means to send.
+_INT_RE = re.compile(r"[+-]?[0-9]+")
+_FLOAT_RE = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def _int(text: str) -> int:
+    """``int(text)`` for ASCII decimal digits with an optional sign; ``ValueError`` otherwise."""
+    text = text.strip()
+    if not _INT_RE.fullmatch(text):
+        raise ValueError(text)
+    return int(text)
+
+
 def _did_you_mean(value: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else ""
@@ -120,7 +136,7 @@ def _per_axis(minimum: int, *, auto: bool = False) -> BeforeValidator:
             if isinstance(part, bool) or not isinstance(part, int | str):
                 raise ValueError(f"{where}={part!r} is not an integer")
             try:
-                number = int(part)
+                number = _int(part) if isinstance(part, str) else int(part)
             except ValueError:
                 raise ValueError(f"{where}={part!r} is not an integer (in {name}={value!r})") from None
             if number < minimum:
@@ -144,7 +160,7 @@ def _count(value: Any, info: ValidationInfo) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"{name}={value!r} is not an integer")
     try:
-        number = int(value)
+        number = _int(value) if isinstance(value, str) else int(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not an integer") from None
     if number < 1:
@@ -156,7 +172,7 @@ def _positive_number(value: Any, info: ValidationInfo) -> Any:
     name = info.field_name
     if value is None:
         return None
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, str) and not _FLOAT_RE.fullmatch(value.strip())):
         raise ValueError(f"{name}={value!r} is not a number")
     try:
         number = float(value)
@@ -292,3 +308,22 @@ def parse_params(raw: Mapping[str, Any]) -> InferenceParams:
         return InferenceParams.model_validate(given)
     except ValidationError as exc:
         raise ParamError(_message(exc)) from None
+
+
+def parse_query(pairs: Iterable[tuple[str, str]]) -> InferenceParams:
+    """:func:`parse_params` of a query's ``(name, value)`` pairs, refusing a repeated name.
+
+    ``?tile=64&tile=128`` has no single meaning (frameworks keep the first, or the last, or both):
+    it is an error naming the parameter, never a silent choice.
+
+    Raises:
+        ParamError: a repeated, unknown or invalid parameter.
+    """
+    raw: dict[str, str] = {}
+    for name, value in pairs:
+        if name in raw:
+            raise ParamError(
+                f"parameter {name!r} is given more than once ({raw[name]!r}, {value!r}); give it once"
+            )
+        raw[name] = value
+    return parse_params(raw)

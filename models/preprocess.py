@@ -66,6 +66,22 @@ def _per_channel(value: Any, n_channels: int, what: str) -> npt.NDArray[np.float
     return arr
 
 
+def _zscore(x: npt.NDArray[np.float32], nonzero: bool) -> npt.NDArray[np.float32]:
+    """``(x - mean) / std`` over the whole array (or its non-zero voxels only, the rest kept)."""
+    mask = x != 0 if nonzero else None
+    values = x[mask] if mask is not None else x
+    if values.size == 0:
+        return x
+    mean = float(values.mean(dtype=np.float64))
+    std = float(values.std(dtype=np.float64))
+    scaled = ((values - mean) / (std if std > 0 else 1.0)).astype(np.float32)
+    if mask is None:
+        return scaled
+    out = x.copy()
+    out[mask] = scaled
+    return out
+
+
 def _apply(step: PreprocessStep, x: npt.NDArray[Any], spec: ModelSpec) -> npt.NDArray[Any]:
     p = step.params
     kind = step.kind
@@ -89,9 +105,20 @@ def _apply(step: PreprocessStep, x: npt.NDArray[Any], spec: ModelSpec) -> npt.ND
         lo, hi = float(p["lo"]), float(p["hi"])
         return ((np.clip(xf, lo, hi) - lo) / (hi - lo)).astype(np.float32)
     if kind == "zscore":
-        mean = float(xf.mean(dtype=np.float64))
-        std = float(xf.std(dtype=np.float64))
-        return ((xf - mean) / (std if std > 0 else 1.0)).astype(np.float32)
+        if p.get("channel_wise"):
+            return np.stack([_zscore(c, bool(p.get("nonzero"))) for c in xf]).astype(np.float32)
+        return _zscore(xf, bool(p.get("nonzero")))
+    if kind == "clip":
+        shape = (-1,) + (1,) * spec.spatial_dims
+        lo = _per_channel(p["lo"], x.shape[0], "lo").reshape(shape)
+        hi = _per_channel(p["hi"], x.shape[0], "hi").reshape(shape)
+        return np.clip(xf, lo, hi).astype(np.float32)
+    if kind == "scale_range":  # MONAI ScaleIntensityRange, float32 arithmetic in its order
+        a_min, a_max, b_min, b_max = (float(p[k]) for k in ("a_min", "a_max", "b_min", "b_max"))
+        if a_max == a_min:
+            return (xf - a_min + b_min).astype(np.float32)
+        y = (xf - a_min) / (a_max - a_min) * (b_max - b_min) + b_min
+        return (np.clip(y, b_min, b_max) if p["clip"] else y).astype(np.float32)
     if kind == "percentile":
         lo, hi = (float(v) for v in np.percentile(xf, [float(p["lo"]), float(p["hi"])]))
         span = hi - lo if hi > lo else 1.0

@@ -26,7 +26,7 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     preprocess:                   # applied to the whole image before tiling, in order
       - {type: ct_window, lo: -1000, hi: 400}
       - zscore
-    output: {activation: softmax, kind: labels, dtype: float32}
+    output: {activation: softmax, kind: labels, dtype: float32, tta_average: probabilities}
     defaults: {tile: [96, 96, 96], halo: auto, overlap: 0, blend: constant, batch_size: 2}
 
 ``defaults`` is :class:`~models.params.InferenceParams` (the same schema as the HTTP query and the
@@ -73,6 +73,7 @@ __all__ = [
     "Precision",
     "PreprocessStep",
     "STEP_PARAMS",
+    "TtaAverage",
     "load_spec",
     "spec_from_mapping",
 ]
@@ -121,14 +122,23 @@ ANALYTIC_PARAMS: dict[str, tuple[type, ...]] = {
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
+class TtaAverage(StrEnum):
+    """What ``tta=mirror`` averages: probabilities after the activation, or logits before it (nnU-Net)."""
+
+    PROBABILITIES = "probabilities"
+    LOGITS = "logits"
+
+
 class OutputSpec(BaseModel):
-    """``output``: activation after blending, the default output kind, the probability dtype."""
+    """``output``: activation after blending, the default output kind, the probability dtype, and what
+    test-time augmentation averages (``tta_average``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     activation: Activation = Activation.NONE
     kind: OutputKind = OutputKind.PROBABILITIES
     dtype: OutputDtype = OutputDtype.FLOAT32
+    tta_average: TtaAverage = TtaAverage.PROBABILITIES
 
 
 def _name(value: str) -> str:
@@ -223,22 +233,16 @@ class ModelSpec(BaseModel):
             raise ValueError("field 'architecture' is required for backend 'eager'")
         if self.backend == Backend.ANALYTIC:
             check_params("params", self.params, ANALYTIC_PARAMS)
+            if self.tile_dependent is None:  # fixed filters: local by construction
+                object.__setattr__(self, "tile_dependent", False)
         filled = self.defaults.merged(
-            InferenceParams(
-                tile=256 if ndim < 3 else 96,
-                halo=0,
-                halo_tolerance=1e-4,
-                overlap=0,
-                blend=Blend.CONSTANT,
-                batch_size=1,
-                output=self.output.kind,
-            )
-        )
+            InferenceParams(tile=256 if ndim < 3 else 96, halo=0, halo_tolerance=1e-4, overlap=0,
+                            blend=Blend.CONSTANT, batch_size=1, output=self.output.kind)
+        )  # fmt: skip
         update = {name: _broadcast(f"defaults.{name}", getattr(filled, name), ndim)
                   for name in ("tile", "halo", "overlap")}  # fmt: skip
         object.__setattr__(self, "defaults", filled.model_copy(update=update))
-        if self.spacing is not None and len(self.spacing) != ndim:
-            got = list(self.spacing)
+        if self.spacing is not None and len(got := list(self.spacing)) != ndim:
             raise ValueError(f"field 'spacing' must list {ndim} values (mm per axis), got {got}")
         if self.orientation is not None and len(self.orientation) != ndim:
             raise ValueError(f"field 'orientation' must give {ndim} axis codes, got {self.orientation!r}")

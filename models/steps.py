@@ -3,6 +3,11 @@
 In a spec file a step is a name (``zscore``) or a mapping with ``type`` and the parameters
 (``{type: ct_window, lo: -1000, hi: 400}``); :mod:`models.preprocess` applies them. The spec's
 ``frame`` (:class:`FrameSpec`), a geometric step, is applied by :mod:`models.mapping`.
+
+Steps written by ``tilewise import-model`` follow their source exactly: ``scale_range`` is MONAI's
+``ScaleIntensityRange(a_min, a_max, b_min, b_max, clip)``; ``zscore`` with ``channel_wise`` /
+``nonzero`` is MONAI's ``NormalizeIntensity`` and, per channel, nnU-Net's ``ZScoreNormalization``;
+``clip`` then ``normalize`` is nnU-Net's ``CTNormalization`` (foreground percentiles, mean, std).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-__all__ = ["FrameSpec", "PreprocessStep", "STEP_PARAMS", "check_params"]
+__all__ = ["FrameSpec", "PreprocessStep", "STEP_OPTIONS", "STEP_PARAMS", "check_params"]
 
 _Number = (int, float)
 #: Preprocessing step types and their parameters (name -> accepted types); all are required.
@@ -26,6 +31,12 @@ STEP_PARAMS: dict[str, dict[str, tuple[type, ...]]] = {
     "zscore": {},
     "percentile": {"lo": _Number, "hi": _Number},
     "normalize": {"mean": (*_Number, list), "std": (*_Number, list)},
+    "clip": {"lo": (*_Number, list), "hi": (*_Number, list)},
+    "scale_range": {"a_min": _Number, "a_max": _Number, "b_min": _Number, "b_max": _Number, "clip": (bool,)},
+}
+#: Optional parameters per step type (default ``False`` for the flags).
+STEP_OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
+    "zscore": {"channel_wise": (bool,), "nonzero": (bool,)},
 }
 
 
@@ -42,7 +53,9 @@ def check_params(where: str, values: Mapping[str, Any], allowed: Mapping[str, tu
             raise ValueError(f"field '{where}.{key}' is unknown{also} (allowed: {', '.join(allowed)})")
     for key, types in allowed.items():
         value = values.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+        if value is not None and (
+            (isinstance(value, bool) and bool not in types) or not isinstance(value, types)
+        ):
             raise ValueError(
                 f"field '{where}.{key}' must be {_type_names(types)}, got {type(value).__name__} {value!r}"
             )
@@ -73,11 +86,11 @@ class PreprocessStep(BaseModel):
             raise ValueError(f"must be a step name or a mapping with 'type', got {raw!r}")
         if kind not in STEP_PARAMS:
             raise ValueError(f"has unknown type {kind!r} (known: {', '.join(STEP_PARAMS)})")
-        allowed = STEP_PARAMS[kind]
-        for key in allowed:
+        required = STEP_PARAMS[kind]
+        for key in required:
             if key not in params:
                 raise ValueError(f"needs '{key}': field '{key}' is required for {kind}")
-        check_params(str(kind), params, allowed)
+        check_params(str(kind), params, {**required, **STEP_OPTIONS.get(kind, {})})
         return {"kind": kind, "params": params}
 
     def to_spec(self) -> str | dict[str, Any]:

@@ -8,6 +8,7 @@ it without torch or FastAPI. The inference options are generated from
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,10 +16,12 @@ from models.params import InferenceParams, OutputFormat
 
 __all__ = [
     "FORMAT_SUFFIXES",
+    "HelpFormatter",
     "add_param_options",
     "argparse_number",
     "blank_to_none",
     "param_values",
+    "plain_text",
 ]
 
 #: Output formats and the file suffix of each (``nii.gz`` -> ``.nii.gz``).
@@ -74,3 +77,40 @@ def argparse_number(kind: type[N], minimum: N, *, strict: bool = False) -> Calla
 def blank_to_none(value: object) -> object:
     """A pydantic "before" validator: an empty string (``TILEWISE_API_KEY=``) means unset."""
     return None if isinstance(value, str) and not value else value
+
+
+# :role:`~a.b.C` -> C, :role:`text` -> text, ``code`` -> code, `text` -> text, "Example::" -> "Example:".
+_ROLE_TILDE = re.compile(r":[\w:.-]+:`~(?:[\w.]+\.)?([^`]+)`")
+_ROLE = re.compile(r":[\w:.-]+:`([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+_INTERPRETED = re.compile(r"`([^`]+)`")
+_DOUBLE_COLON = re.compile(r"(?<=\S)::(?=\s*$)", re.MULTILINE)
+
+
+def plain_text(text: str | None) -> str | None:
+    """``text`` (a docstring) with its reStructuredText markup removed, for ``--help``."""
+    if not text:
+        return text
+    for pattern in (_ROLE_TILDE, _ROLE, _LITERAL, _INTERPRETED):
+        text = pattern.sub(r"\1", text)
+    return _DOUBLE_COLON.sub(":", text)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (paragraphs kept); every option with a default says it.
+
+    An option whose help does not mention its default gets ``(default: VALUE)`` appended when the
+    default is a value (not ``None``, ``False`` or suppressed); ``None`` defaults are explained in
+    the help text itself ("default: the model's").
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, argparse.SUPPRESS)
+            and "default" not in text.lower()
+        ):
+            text += " (default: %(default)s)"
+        return text

@@ -16,14 +16,18 @@ from typing import Any
 import anyio
 from fastapi import FastAPI
 
+from service.asgi import DrainMiddleware, HeadMiddleware, HeadSizeMiddleware
 from service.codecs import configure_pillow
 from service.executor import DeviceExecutor
-from service.http_errors import error_response, install_error_handlers
+from service.http_errors import error_response, install_error_handlers, plain_error_response
 from service.memory import release_free_memory
 from service.metrics import Metrics
 from service.requestid import RequestIdMiddleware
 from service.routes import health_router, v1_router
+from service.routes.apidocs import install_docs
 from service.settings import Settings, get_settings
+from service.upload import UploadSlots
+from service.workdir import WorkRoot
 
 __all__ = ["create_app"]
 
@@ -72,6 +76,8 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.ready = False
+        app.state.draining = False
+        app.state.workroot = await anyio.to_thread.run_sync(WorkRoot.open, settings.tmp_dir)
         repo = repository
         if repo is None:
             repo = await anyio.to_thread.run_sync(_load_repository, settings)
@@ -99,7 +105,11 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
             yield
         finally:
             app.state.ready = False
-            executor.shutdown(wait=False)  # queued jobs are cancelled; a running one is dropped
+            for stop in list(app.state.stops):  # a running job stops at its next batch
+                stop.set()
+            executor.shutdown(wait=False)  # queued jobs are cancelled
+            await anyio.to_thread.run_sync(executor.join, 30.0)
+            await anyio.to_thread.run_sync(app.state.workroot.close)
             logger.info("tilewise stopped")
 
     app = FastAPI(
@@ -108,17 +118,26 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         description=_DESCRIPTION,
         version=_version(),
         lifespan=lifespan,
+        docs_url=None,  # served from the installed package below, not from a CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.ready = False
+    app.state.draining = False
+    app.state.stops = set()  # threading.Event of each running request: set to stop its run
+    app.state.uploads = UploadSlots(settings.max_uploads, retry_after_s=settings.retry_after_s)
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
+    app.add_middleware(HeadSizeMiddleware, max_bytes=settings.max_header_bytes, respond=plain_error_response)
     app.add_middleware(
         RequestIdMiddleware,
         on_error=lambda exc: error_response(exc, retry_after_s=settings.retry_after_s),
     )
+    app.add_middleware(DrainMiddleware, state=app.state)
+    app.add_middleware(HeadMiddleware)  # outermost: HEAD is GET from here in
     app.include_router(health_router)
     app.include_router(v1_router)
+    install_docs(app)
     return app
 
 

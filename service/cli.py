@@ -14,11 +14,12 @@ import sys
 from collections.abc import Sequence
 
 from service._distributions import check_onnxruntime_distributions
+from service._options import HelpFormatter, plain_text
 
 logger = logging.getLogger(__name__)
 
 #: Sub-command modules, in the order ``tilewise --help`` lists them.
-COMMANDS = ("serve", "infer", "batch", "demo", "setup_models", "export_onnx")
+COMMANDS = ("serve", "infer", "batch", "demo", "setup_models", "export_onnx", "import_model")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,13 +27,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tilewise",
         description="Seam-free tiled inference for large 2D images and 3D NIfTI volumes.",
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument("--version", action="version", version=f"tilewise {version()}")
+    parser.add_argument("--log-level", default="INFO", help="logging level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         module = importlib.import_module(f"service.commands.{name}")
         module.register(sub)
+    # One style for every command's --help: plain text (docstrings lose their reST markup) and
+    # the default of every option that has one.
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
+        command.description = plain_text(command.description)
+        for action in command._actions:
+            action.help = plain_text(action.help)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version (``0+unknown`` when run from a bare source tree)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tilewise")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

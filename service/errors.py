@@ -10,6 +10,9 @@ Hierarchy (each class also inherits the builtin it refines, so ``except ValueErr
       DecodeError(ServiceError, ValueError)              corrupt / truncated file
       UnusableInputError(ServiceError, ValueError)       wrong dims, NaN-only data
       PayloadTooLargeError(ServiceError)                 bytes, voxels or pixels over the limit
+        MemoryBudgetError                                the plan's predicted memory over the limit
+      OverBudgetError(ServiceError)                      batch size, tile count or work over the limit
+      UploadTimeoutError(ServiceError)                   the body arrives too slowly (408)
       QueueFullError(ServiceError)                       the device queue is full (Retry-After)
       NotReadyError(ServiceError)                        models loading / shutting down
 
@@ -25,12 +28,15 @@ __all__ = [
     "BadParameterError",
     "DecodeError",
     "EmptyBodyError",
+    "MemoryBudgetError",
     "NotReadyError",
+    "OverBudgetError",
     "PayloadTooLargeError",
     "QueueFullError",
     "ServiceError",
     "UnsupportedMediaTypeError",
     "UnusableInputError",
+    "UploadTimeoutError",
 ]
 
 
@@ -64,6 +70,18 @@ class UnusableInputError(ServiceError, ValueError):
 
 class PayloadTooLargeError(ServiceError):
     """The upload exceeds the byte limit, or the image the voxel / pixel limit."""
+
+
+class MemoryBudgetError(PayloadTooLargeError):
+    """The request's plan would hold more memory than ``max_request_bytes`` (names both)."""
+
+
+class OverBudgetError(ServiceError):
+    """The request's plan asks for more tiles, work or batch than the server allows (names both)."""
+
+
+class UploadTimeoutError(ServiceError):
+    """The request body stalled or arrived below the minimum rate."""
 
 
 class QueueFullError(ServiceError):

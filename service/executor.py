@@ -211,6 +211,12 @@ class DeviceExecutor:
                     except Exception:
                         logger.exception("after-job hook failed")
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the worker to end (after :meth:`shutdown`); ``True``
+        when it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def shutdown(self, *, wait: bool = True) -> None:
         """Stop accepting jobs, cancel the waiting ones and (optionally) join the worker."""
         with self._lock:

@@ -25,17 +25,27 @@ from service.errors import (
     BadParameterError,
     DecodeError,
     EmptyBodyError,
+    MemoryBudgetError,
     NotReadyError,
+    OverBudgetError,
     PayloadTooLargeError,
     QueueFullError,
     ServiceError,
     UnsupportedMediaTypeError,
     UnusableInputError,
+    UploadTimeoutError,
 )
 from service.requestid import current_request_id
 from tiling import errors as tiling_errors
 
-__all__ = ["STATUS", "ErrorInfo", "classify", "error_response", "install_error_handlers"]
+__all__ = [
+    "STATUS",
+    "ErrorInfo",
+    "classify",
+    "error_response",
+    "install_error_handlers",
+    "plain_error_response",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +61,19 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     RequestValidationError: (400, "bad_parameter"),
     AuthenticationError: (401, "unauthorized"),
     model_errors.UnknownModelError: (404, "unknown_model"),
+    UploadTimeoutError: (408, "upload_timeout"),
     PayloadTooLargeError: (413, "payload_too_large"),
+    MemoryBudgetError: (413, "over_budget"),
     UnsupportedMediaTypeError: (415, "unsupported_media_type"),
     DecodeError: (422, "decode_error"),
     UnusableInputError: (422, "unusable_input"),
     model_errors.InputError: (422, "unusable_input"),
+    OverBudgetError: (422, "over_budget"),
     QueueFullError: (503, "queue_full"),
     NotReadyError: (503, "not_ready"),
+    tiling_errors.RunCancelledError: (503, "cancelled"),
     model_errors.BackendUnavailableError: (503, "backend_unavailable"),
+    model_errors.ModelUnavailableError: (503, "model_unavailable"),
     model_errors.DeviceOutOfMemoryError: (503, "device_out_of_memory"),
 }
 #: Details that would leak internals are replaced.
@@ -71,6 +86,7 @@ _HTTP_CODES = {
     404: "not_found",
     405: "method_not_allowed",
     406: "not_acceptable",
+    408: "request_timeout",
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "unprocessable",
@@ -113,7 +129,7 @@ def classify(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) 
         headers["Retry-After"] = str(retry)
     elif status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    elif status == 413:
+    elif status in (408, 413):
         headers["Connection"] = "close"
     return ErrorInfo(status, code, detail, headers)
 
@@ -131,6 +147,14 @@ def error_response(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFT
         headers["X-Request-ID"] = request_id
     body = {"error": info.code, "detail": info.detail, "request_id": request_id}
     return JSONResponse(body, status_code=info.status, headers=headers)
+
+
+def plain_error_response(status: int, code: str, detail: str) -> JSONResponse:
+    """A JSON error for a refusal that no exception stands for (e.g. a request head too large)."""
+    request_id = current_request_id()
+    logger.info("request %s answered %d %s: %s", request_id, status, code, detail)
+    headers = {"X-Request-ID": request_id} if request_id else {}
+    return JSONResponse({"error": code, "detail": detail, "request_id": request_id}, status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> None:

@@ -1,4 +1,4 @@
-"""Giving freed heap memory back to the operating system after each inference.
+"""Giving freed heap memory back to the operating system after each inference; how much there is.
 
 glibc keeps freed blocks in its arenas (and raises its mmap threshold after large frees), so a
 server that decoded a 500 MB volume would otherwise stay 500 MB larger while idle.
@@ -10,10 +10,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 from collections.abc import Callable
 from functools import lru_cache
+from pathlib import Path
 
-__all__ = ["release_free_memory"]
+__all__ = ["memory_limit_bytes", "release_free_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,3 +40,21 @@ def release_free_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use: its cgroup's limit (a container's) when one is set, else
+    the machine's physical memory; 8 GiB when neither can be read."""
+    physical = 8 * 2**30
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < physical:
+            return int(text)
+    return int(physical)

@@ -25,21 +25,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.codecs import OUTPUT_FORMATS, DecodedVolume, decode, default_format, encode
+from service.codecs import OUTPUT_FORMATS, DecodedVolume, Probe, decode, default_format, encode, probe
 from service.errors import BadParameterError, UnusableInputError
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
     from models.mapping import MappedRun
+    from service.budget import Budget
     from tiling import SeamStats
 
-__all__ = ["MEDIA_TYPES", "InferenceResult", "fit_to_model", "plan_format", "run_file", "run_volume"]
+__all__ = [
+    "MEDIA_TYPES",
+    "InferenceResult",
+    "Limits",
+    "check_input",
+    "fit_to_model",
+    "plan_format",
+    "precheck",
+    "run_file",
+    "run_volume",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +63,35 @@ MEDIA_TYPES = {
     "tiff": "image/tiff",
     "npy": "application/octet-stream",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What an input may declare and a request may cost (``None``: unbounded).
+
+    Attributes:
+        max_voxels: voxels times channels, from the header (413).
+        max_image_pixels: pixels per plane of a picture or TIFF page (413).
+        max_bytes: bytes once decompressed, from the header (413).
+        budget: batch size, tiles, work and memory of the plan (:mod:`service.budget`).
+    """
+
+    max_voxels: int | None = None
+    max_image_pixels: int | None = None
+    max_bytes: int | None = None
+    budget: Budget | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Limits:
+        """The limits of :class:`~service.settings.Settings` (decompressed bytes: the upload limit)."""
+        from service.budget import Budget
+
+        return cls(
+            settings.max_voxels,
+            settings.max_image_pixels,
+            settings.max_upload_bytes,
+            Budget.from_settings(settings),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +168,66 @@ def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, outpu
     return fmt
 
 
-def run_volume(model: Model, volume: DecodedVolume, params: InferenceParams) -> MappedRun:
+def check_input(spec: Any, source: Path, limits: Limits) -> Probe:
+    """The input's header, checked against ``limits`` and the model before anything is decoded.
+
+    Raises:
+        PayloadTooLargeError: voxels, pixels or decompressed bytes over the limits (413).
+        UnusableInputError: the wrong dimensionality or channel count for the model (422).
+        EmptyBodyError, UnsupportedMediaTypeError, DecodeError: see :func:`service.codecs.probe`.
+    """
+    header = probe(source)
+    header.check_limits(
+        max_voxels=limits.max_voxels, max_image_pixels=limits.max_image_pixels, max_bytes=limits.max_bytes
+    )
+    header.check_model(int(spec.spatial_dims), spec.name, in_channels=int(spec.in_channels))
+    return header
+
+
+def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits) -> Probe:
+    """Refuse, from the file's header alone, an input or a plan beyond ``limits`` (before queueing).
+
+    The plan is made on the model grid's shape, from the header's shape and affine (the spec's
+    spacing or frame); a calibrated halo (``halo=auto``) counts as 0 here, a lower bound of the real plan's
+    cost, which :func:`run_volume` checks again before running it.
+
+    Raises:
+        PayloadTooLargeError, UnusableInputError: see :func:`check_input`.
+        OverBudgetError, MemoryBudgetError: the plan over the budget (422, 413).
+        ParamError, GridError: parameters that cannot tile this image (400).
+    """
+    from models.mapping import header_model_shape
+
+    spec = model.spec
+    header = check_input(spec, source, limits)
+    if limits.budget is not None:
+        shape = header.spatial_shape
+        if int(spec.spatial_dims) == 2 and header.single_slice:
+            shape = shape[:2]
+        shape = header_model_shape(shape, header.info.get("affine"), spec, native=params.spacing == "native")
+        merged = params.merged(spec.defaults)
+        if merged.halo == "auto":
+            merged = merged.model_copy(update={"halo": 0})
+        plan = model.plan(shape, merged)
+        decoded = header.voxels * np.dtype(header.dtype).itemsize
+        limits.budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=decoded)
+    return header
+
+
+def run_volume(
+    model: Model,
+    volume: DecodedVolume,
+    params: InferenceParams,
+    *,
+    budget: Budget | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    progress: bool | Callable[[int], object] = False,
+) -> MappedRun:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
+
+    The plan is checked against ``budget`` before the network sees a tile; ``should_stop`` is
+    asked before every batch (the run ends with :class:`tiling.RunCancelledError`); ``progress``
+    shows a bar of tiles on stderr, or is called with each batch's tile count.
 
     Returns:
         The :class:`~models.mapping.MappedRun`: its ``result`` is uint8 ``(*spatial)`` labels or
@@ -137,8 +236,17 @@ def run_volume(model: Model, volume: DecodedVolume, params: InferenceParams) -> 
     """
     from models.mapping import run_mapped
 
-    data, dropped = fit_to_model(volume, model.spec)
-    run = run_mapped(model, data, volume.affine, params)
+    spec = model.spec
+    data, dropped = fit_to_model(volume, spec)
+
+    def check(plan: RunPlan, extra_bytes: int) -> None:
+        if budget is not None:
+            held = volume.data.nbytes + extra_bytes
+            budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=held)
+
+    run = run_mapped(
+        model, data, volume.affine, params, check=check, progress=progress, should_stop=should_stop
+    )
     result = np.asarray(run.result)
     if dropped:
         result = result[..., None]
@@ -155,25 +263,36 @@ def run_file(
     target_stem: Path,
     params: InferenceParams,
     *,
-    max_voxels: int | None = None,
-    max_image_pixels: int | None = None,
+    limits: Limits | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    progress: bool | Callable[[int], object] = False,
 ) -> InferenceResult:
-    """Decode ``source``, run ``model``, write the output next to ``target_stem``.
+    """Check ``source``'s header, decode it, run ``model``, write the output next to ``target_stem``.
 
     Args:
         model: a loaded ``models.Model``.
         source: the input file (format detected by content).
         target_stem: output path without suffix; the format's suffix is appended.
         params: validated inference parameters.
-        max_voxels: voxel limit (413 beyond), checked from the header.
-        max_image_pixels: 2D pixel limit (decompression-bomb guard).
+        limits: what the header may declare (checked before decoding) and the plan may cost
+            (checked before running); ``None``: no limits.
+        should_stop: asked before every batch; true stops the run (``tiling.RunCancelledError``).
+        progress: show a progress bar of tiles on stderr, or a callable called with each
+            batch's tile count (the server's ``tilewise_tiles_total``).
     """
     started = time.perf_counter()
-    volume = decode(source, max_voxels=max_voxels, max_image_pixels=max_image_pixels)
+    limits = limits or Limits()
     spec = model.spec
+    check_input(spec, source, limits)
+    volume = decode(
+        source,
+        max_voxels=limits.max_voxels,
+        max_image_pixels=limits.max_image_pixels,
+        max_bytes=limits.max_bytes,
+    )
     output_kind = str(params.output or spec.defaults.output)
     fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
-    run = run_volume(model, volume, params)
+    run = run_volume(model, volume, params, budget=limits.budget, should_stop=should_stop, progress=progress)
     array, plan = run.result, run.plan
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
     encode(volume, array, fmt, path)

@@ -14,6 +14,21 @@ Variable                          Meaning
 ``TILEWISE_TMP_DIR``              folder for upload / result temporary files (default: system)
 ``TILEWISE_WARMUP``               run every model once on a tiny input at start-up
 ``TILEWISE_GRACEFUL_SHUTDOWN_S``  on SIGTERM, seconds running requests get to finish (default 120)
+``TILEWISE_DRAIN_S``              on SIGTERM, seconds ``/readyz`` fails (and responses close their
+                                  connections) before the listener closes (default 5)
+``TILEWISE_MAX_BATCH_SIZE``       largest ``batch_size`` of a request (422 beyond; default 256)
+``TILEWISE_MAX_TILES``            most tiles one request may feed the network (422 beyond; default 65536)
+``TILEWISE_MAX_WORK``             most voxels through the network per input voxel (422 beyond; default 64)
+``TILEWISE_MAX_REQUEST_BYTES``    most memory one request's plan may predict (413 beyond; default: half
+                                  the memory of the machine or container)
+``TILEWISE_MAX_UPLOADS``          uploads in progress at once (503 beyond; default 16); an upload
+                                  takes an inference slot only once its body has arrived
+``TILEWISE_UPLOAD_MIN_RATE``      bytes/s an upload must average after the grace period (408 below;
+                                  default 16384; 0: no minimum)
+``TILEWISE_UPLOAD_GRACE_S``       seconds before the minimum rate applies (default 10)
+``TILEWISE_UPLOAD_IDLE_S``        seconds an upload may send nothing (408 beyond; default 30)
+``TILEWISE_MAX_HEADER_BYTES``     request line plus headers, bytes (414 / 431 beyond; default 32768;
+                                  ``tilewise serve`` only)
 ================================  ===========================================================================
 
 ``tilewise serve`` has an option for each (``--api-key``, ``--queue-size`` ...); an option wins
@@ -31,6 +46,7 @@ from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service._options import blank_to_none
+from service.memory import memory_limit_bytes
 
 __all__ = ["Settings", "get_settings"]
 
@@ -61,6 +77,16 @@ class Settings(BaseSettings):
     tmp_dir: Path | None = None
     warmup: bool = True
     graceful_shutdown_s: int = Field(default=120, ge=0)
+    drain_s: float = Field(default=5.0, ge=0)
+    max_batch_size: int = Field(default=256, ge=1)
+    max_tiles: int = Field(default=65536, ge=1)
+    max_work: float = Field(default=64.0, gt=0)
+    max_request_bytes: int = Field(default_factory=lambda: memory_limit_bytes() // 2, ge=1)
+    max_uploads: int = Field(default=16, ge=1)
+    upload_min_rate: int = Field(default=16384, ge=0)
+    upload_grace_s: float = Field(default=10.0, ge=0)
+    upload_idle_s: float = Field(default=30.0, gt=0)
+    max_header_bytes: int = Field(default=32768, ge=1024)
 
     @field_validator("device", mode="before")
     @classmethod

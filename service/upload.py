@@ -5,11 +5,21 @@ field ``file`` holds it (``curl -F file=@scan.nii.gz``); multipart is parsed on 
 arrive. The limit is enforced while reading: a declared ``Content-Length`` over the limit is
 refused before a byte is read, and an undeclared (chunked) body is cut off as soon as it passes
 the limit. File writes run in worker threads, so the event loop never blocks on disk I/O.
+
+A slow or stalled sender cannot hold the server: uploads in progress are bounded by their own
+count (:class:`UploadSlots`, 503 beyond, apart from the inference queue: a request takes an
+inference slot only once its body has arrived), and each must keep a minimum average rate after
+a grace period and never pause longer than ``idle_s`` (408 ``upload_timeout`` otherwise).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -17,9 +27,15 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from service.errors import BadParameterError, EmptyBodyError, PayloadTooLargeError
+from service.errors import (
+    BadParameterError,
+    EmptyBodyError,
+    PayloadTooLargeError,
+    QueueFullError,
+    UploadTimeoutError,
+)
 
-__all__ = ["receive_upload"]
+__all__ = ["Pace", "UploadSlots", "receive_upload"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +94,71 @@ class _FilePart:
             self.finished = True
 
 
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """How fast an upload must arrive.
+
+    Attributes:
+        min_rate: bytes per second the upload must average once ``grace_s`` has passed (0: none).
+        grace_s: seconds from the first byte read before the minimum rate applies.
+        idle_s: the longest pause between two chunks (seconds).
+    """
+
+    min_rate: int = 0
+    grace_s: float = 10.0
+    idle_s: float = 30.0
+
+    def deadline(self, started: float, received: int, now: float) -> tuple[float, str]:
+        """When the next chunk must have arrived (monotonic seconds), and why."""
+        idle = now + self.idle_s
+        if self.min_rate <= 0:
+            return idle, f"no data for {self.idle_s:g} s"
+        slow = started + max(self.grace_s, received / self.min_rate)
+        if slow < idle:
+            return slow, f"slower than upload_min_rate={self.min_rate} bytes/s after {self.grace_s:g} s"
+        return idle, f"no data for {self.idle_s:g} s"
+
+
+class UploadSlots:
+    """At most ``limit`` uploads in progress at once (each held while its body arrives).
+
+    Raises :class:`~service.errors.QueueFullError` (503 with ``Retry-After``) when all are taken.
+    """
+
+    def __init__(self, limit: int, *, retry_after_s: int = 1) -> None:
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.active = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Hold one slot for the duration of the ``with`` block."""
+        with self._lock:
+            if self.active >= self.limit:
+                raise QueueFullError(
+                    f"{self.active} uploads are in progress (max_uploads={self.limit}); "
+                    f"retry in {self.retry_after_s} s",
+                    retry_after_s=self.retry_after_s,
+                )
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.active -= 1
+
+
 def _too_large(received: int, limit: int) -> PayloadTooLargeError:
     return PayloadTooLargeError(
         f"the upload is larger than max_upload_bytes={limit} (stopped reading after {received} bytes)"
     )
 
 
-async def receive_upload(request: Request, path: Path, *, max_bytes: int) -> tuple[Path, int]:
-    """Stream the request's file to ``path``.
+async def receive_upload(
+    request: Request, path: Path, *, max_bytes: int, pace: Pace | None = None
+) -> tuple[Path, int]:
+    """Stream the request's file to ``path``, at no less than ``pace``.
 
     Returns:
         ``(path, body_bytes)``: the file, and the number of body bytes received.
@@ -94,7 +167,10 @@ async def receive_upload(request: Request, path: Path, *, max_bytes: int) -> tup
         PayloadTooLargeError: the body exceeds ``max_bytes`` (declared or counted).
         EmptyBodyError: an empty body, or a multipart form without a non-empty ``file`` field.
         BadParameterError: a multipart content type without a boundary.
+        UploadTimeoutError: the body paused longer than ``pace.idle_s``, or averaged less than
+            ``pace.min_rate`` after ``pace.grace_s`` (408).
     """
+    pace = pace or Pace()
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise PayloadTooLargeError(
@@ -111,8 +187,20 @@ async def receive_upload(request: Request, path: Path, *, max_bytes: int) -> tup
         parser = MultipartParser(boundary, part.callbacks())  # type: ignore[arg-type]
     received = 0
     written = 0
+    started = time.monotonic()
+    chunks = request.stream().__aiter__()
     async with await anyio.open_file(path, "wb") as sink:
-        async for chunk in request.stream():
+        while True:
+            deadline, why = pace.deadline(started, received, time.monotonic())
+            try:
+                with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise UploadTimeoutError(
+                    f"the upload stalled: {why} ({received} bytes in {time.monotonic() - started:.1f} s)"
+                ) from None
             if not chunk:
                 continue
             received += len(chunk)

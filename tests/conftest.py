@@ -27,12 +27,21 @@ import numpy as np
 import pytest
 
 
+@pytest.fixture(scope="session")
+def empty_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty model folder: built-in models only, whatever the user's cache holds."""
+    return tmp_path_factory.mktemp("no-models")
+
+
 @pytest.fixture(autouse=True)
-def _scrub_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Remove every ``TILEWISE_*`` environment variable for the duration of a test."""
+def _scrub_env(monkeypatch: pytest.MonkeyPatch, empty_models_dir: Path) -> None:
+    """Remove every ``TILEWISE_*`` environment variable for the duration of a test, and point
+    ``TILEWISE_MODELS_DIR`` at an empty folder: no test reads or writes the user's model cache
+    (``~/.cache/tilewise/models``), in process or in the subprocesses it starts."""
     for name in list(os.environ):
         if name.startswith("TILEWISE_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("TILEWISE_MODELS_DIR", str(empty_models_dir))
 
 
 @pytest.fixture(autouse=True)

@@ -22,9 +22,14 @@ def test_readme_first_command_runs_the_demo():
     assert "tilewise demo" in first_block.group(1)
 
 
-def test_demo_matches_scipy_and_keeps_geometry(tmp_path):
+def test_demo_matches_scipy_and_keeps_geometry(tmp_path, capsys):
     # The demo's own check returns non-zero when the output differs from scipy or the geometry.
     assert main(["demo", "--out-dir", str(tmp_path)]) == 0
+    # It says on stdout what ran, where the output is, and whether its check passed.
+    said = capsys.readouterr().out
+    assert "gaussian-3d" in said and "MNI152" in said
+    assert str((tmp_path / "mni152_t1_gaussian.nii.gz").resolve()) in said
+    assert re.search(r"check against scipy\S* .*passed", said), said
     out = nib.load(tmp_path / "mni152_t1_gaussian.nii.gz")
     src = nib.load(mni152_path())
     x = np.asarray(src.dataobj, dtype=np.float32)

@@ -10,7 +10,14 @@ True
 from __future__ import annotations
 
 from tiling.engine import tiled_inference
-from tiling.errors import AccumulatorStateError, CoverageError, GridError, ShapeMismatchError, TilingError
+from tiling.errors import (
+    AccumulatorStateError,
+    CoverageError,
+    GridError,
+    RunCancelledError,
+    ShapeMismatchError,
+    TilingError,
+)
 from tiling.geometry import BlendMode, BorderMode, PaddingMode
 from tiling.grid import AxisPlan, Tile, TileGrid
 from tiling.plan import (
@@ -32,6 +39,7 @@ __all__ = [
     "CoverageError",
     "GridError",
     "PaddingMode",
+    "RunCancelledError",
     "SeamStats",
     "ShapeMismatchError",
     "Tile",

@@ -15,13 +15,14 @@ Flow::
 
 Why two ways to build the blocks. ``map_overlap`` holds, on each worker, every chunk whose
 neighbours are not done yet: in C order that is about two slabs of chunks across the volume, so its
-memory grows with the volume's cross-section (measured with 1 worker, chunk 96, a 2-channel conv
-stack: 28 MiB of Dask-managed data at 192^3, 107 MiB at 384^3). Reading each block with its depth
-from the zarr array makes every task independent: nothing is kept between tasks (0 MiB managed at
-both sizes; the peak is the block and the network's activations), and no slices travel between
-workers. The price is decoding the neighbouring zarr chunks for the thin depth slabs (measured
-+30% worker CPU with zarr chunks equal to the plan's). ``blocks_from`` chooses; both give the same
-result.
+memory grows with the volume's cross-section. Reading each block with its depth from the zarr array
+makes every task independent: nothing is kept between tasks, no slices travel between workers, and
+a block read decodes at most ``3 ** len(S)`` zarr chunks. The price is decoding the neighbouring
+zarr chunks for the thin depth slabs. Measured (``benchmarks/dask_scaling.py``: chunk 96, tile 48,
+a 1 -> 2 -> 1 channel conv stack, one worker; the peak RSS rise of the worker during the run):
+``map_overlap`` 61 MiB at 192^3 and 186 MiB at 384^3 (Dask-managed data alone 28 and 107 MiB);
+``read`` 50 and 71 MiB, for 12% more worker CPU (58.9 s against 52.6 s at 384^3). Both give the
+same result; ``blocks_from`` chooses.
 
 Why it is exact. ``depth`` is the halo rounded *up* to the network's alignment, and every chunk but
 the last on an axis is a multiple of the alignment, so every block (chunk plus depth, cut at the
@@ -511,7 +512,8 @@ def tiled_inference_dask(
             if progress:
                 from distributed import progress as distributed_progress
 
-                distributed_progress(future)  # type: ignore[no-untyped-call]
+                with client.as_current():  # the bar finds its scheduler through the current client
+                    distributed_progress(future)  # type: ignore[no-untyped-call]
             future.result()
     finally:
         if client is not None and not keep_loaded:

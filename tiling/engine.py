@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tiling.errors import GridError, ShapeMismatchError
+from tiling.errors import GridError, RunCancelledError, ShapeMismatchError
 from tiling.execute import Batch, Staged, TileReader, Transfers
 from tiling.geometry import PaddingMode, parse_enum
 from tiling.grid import TileGrid
@@ -42,10 +42,11 @@ def tiled_inference(
     device: str | torch.device | None = None,
     out: Any = None,
     reduce: Reducer | None = None,
-    progress: bool = False,
+    progress: bool | Callable[[int], object] = False,
     *,
     fixed_tile_shape: bool = False,
     prefetch: bool = True,
+    should_stop: Callable[[], bool] | None = None,
     seam: SeamStats | None = None,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
@@ -77,7 +78,8 @@ def tiled_inference(
             torch inputs) to fill and return; memmaps are flushed slab by slab.
         reduce: maps each finalized region ``(C_out, *region)`` (float32 torch) to
             ``(C_red, *region)`` before it is written, e.g. argmax to uint8 labels.
-        progress: show a tqdm progress bar over tiles.
+        progress: show a tqdm progress bar over tiles; or a callable, called with the number of
+            tiles of each batch once it is merged (e.g. a metrics counter's ``inc``).
         fixed_tile_shape: feed every tile at exactly ``tile_shape`` (the last one shifted back to the
             image edge), for engines compiled for one input shape (TensorRT). By default tiles are
             sized to the grid: the same number of tiles, each the smallest multiple of ``alignment``
@@ -87,6 +89,9 @@ def tiled_inference(
         prefetch: read and pad the next batch in a background thread while the predictor runs on
             the current one (default). ``False`` reads each batch just before it is predicted
             (e.g. to measure what the overlap gains, or for a source that is not thread-safe).
+        should_stop: called before each batch is predicted; when it returns true the run stops
+            there with :class:`~tiling.errors.RunCancelledError` (e.g. the client went away). It
+            must be cheap and thread-safe (``threading.Event.is_set``).
         seam: a :class:`~tiling.seam.SeamStats` that receives the disagreement between overlapping
             tiles' predictions where they overlap, measured during the run (see
             :mod:`tiling.seam`; memory about that of the slab merger again). ``None``: not measured.
@@ -100,6 +105,7 @@ def tiled_inference(
         GridError: invalid tile/halo/overlap/alignment/scale/mode for this input.
         ShapeMismatchError: an input with too few dimensions, an ``out`` of the wrong shape, or a
             predictor output whose shape is not ``(B, C_out, *(tile * scale))``.
+        RunCancelledError: ``should_stop()`` returned true before a batch.
     """
     pad_mode = PaddingMode(parse_enum(PaddingMode, padding_mode, "padding_mode"))
     if isinstance(batch_size, bool) or int(batch_size) < 1:
@@ -119,23 +125,39 @@ def tiled_inference(
     )  # fmt: skip
     acc_device = inputs.device if is_torch else torch.device("cpu")
     transfers = Transfers(run_device, acc_device)
-    bar = tqdm(total=grid.n_tiles * (shape[0] if is_torch else 1), disable=not progress, unit="tile",
-               desc="tiles")  # fmt: skip
+    total = grid.n_tiles * (shape[0] if is_torch else 1)
+    bar: Any = (
+        _Counter(progress) if callable(progress)
+        else tqdm(total=total, disable=not progress, unit="tile", desc="tiles")
+    )  # fmt: skip
     try:
         if not is_torch:
             sink = Sink(out, grid.out_shape, like="numpy")
             _run_one(inputs, grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar, seam)  # fmt: skip
+                     prefetch, bar, should_stop, seam)  # fmt: skip
             return sink.result()
         results = []
         for n in range(shape[0]):
             sink = Sink(None if out is None else out[n], grid.out_shape, like="torch", device=acc_device)
             _run_one(inputs[n], grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar, seam)  # fmt: skip
+                     prefetch, bar, should_stop, seam)  # fmt: skip
             results.append(sink.result())
         return out if out is not None else torch.stack(results)
     finally:
         bar.close()
+
+
+class _Counter:
+    """A progress "bar" that hands each batch's tile count to a callback."""
+
+    def __init__(self, callback: Callable[[int], object]) -> None:
+        self.callback = callback
+
+    def update(self, n: int) -> None:
+        self.callback(n)
+
+    def close(self) -> None:
+        pass
 
 
 def _check_layout(shape: tuple[int, ...], is_torch: bool, **per_axis: object) -> None:
@@ -172,6 +194,7 @@ def _run_one(
     reduce: Reducer | None,
     prefetch: bool,
     bar: Any,
+    should_stop: Callable[[], bool] | None = None,
     seam: SeamStats | None = None,
 ) -> None:
     """Stream the tiles of one ``(C, *spatial)`` source through ``predictor`` into ``sink``."""
@@ -182,6 +205,10 @@ def _run_one(
     in_flight: deque[tuple[Batch, Staged]] = deque()
     with TileReader(source, grid, pad_mode, batch_size, pin=pin, prefetch=prefetch) as reader:
         for b, batch in enumerate(reader):
+            if should_stop is not None and should_stop():
+                raise RunCancelledError(
+                    f"stopped by the caller before batch {b} ({b * batch_size} of {grid.n_tiles} tiles done)"
+                )
             x = transfers.to_device(batch, reader)
             with torch.inference_mode():
                 pred = predictor(x)

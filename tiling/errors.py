@@ -7,11 +7,19 @@ Hierarchy (each class also inherits the builtin it refines, so ``except ValueErr
       ShapeMismatchError(TilingError, ValueError)    input or predictor output of the wrong shape
       CoverageError(TilingError, RuntimeError)       a roi voxel received zero total weight (engine bug)
       AccumulatorStateError(TilingError, RuntimeError)  add() after finalize(), etc.
+      RunCancelledError(TilingError)                 the caller's should_stop() said stop (between batches)
 """
 
 from __future__ import annotations
 
-__all__ = ["AccumulatorStateError", "CoverageError", "GridError", "ShapeMismatchError", "TilingError"]
+__all__ = [
+    "AccumulatorStateError",
+    "CoverageError",
+    "GridError",
+    "RunCancelledError",
+    "ShapeMismatchError",
+    "TilingError",
+]
 
 
 class TilingError(Exception):
@@ -32,3 +40,8 @@ class CoverageError(TilingError, RuntimeError):
 
 class AccumulatorStateError(TilingError, RuntimeError):
     """The accumulator was used out of order, e.g. ``add()`` after ``finalize()``."""
+
+
+class RunCancelledError(TilingError):
+    """The run was stopped because its ``should_stop`` callback returned true (checked before each
+    batch); the output is incomplete and must be discarded."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,11 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     dst = args.out_dir / "mni152_t1_gaussian.nii.gz"
+    out = sys.stdout
+    out.write(f"tilewise demo: gaussian-3d (tile {args.tile}) over nilearn's MNI152 T1 template {src.name}\n")
     status = main(["infer", str(src), str(dst), "--model", "gaussian-3d", "--tile", args.tile])
     if status:
+        out.write(f"tilewise demo: the inference failed (exit status {status}); see the log above\n")
         return status
     img_in: Any = nib.load(src)
     img_out: Any = nib.load(dst)
@@ -83,4 +87,11 @@ def _run(args: argparse.Namespace) -> int:
         "demo: %s -> %s shape=%s geometry_equal=%s max_abs_diff_vs_scipy=%.3g (tolerance %.3g)",
         src.name, dst, y.shape, same_geometry, err, tol,
     )  # fmt: skip
-    return 0 if same_geometry and err <= tol else 1
+    passed = same_geometry and err <= tol
+    out.write(f"output: {dst.resolve()} (shape {'x'.join(map(str, y.shape))}, same affine and codes: "
+              f"{'yes' if same_geometry else 'NO'})\n")  # fmt: skip
+    out.write(
+        f"check against scipy.ndimage.gaussian_filter: {'passed' if passed else 'FAILED'} "
+        f"(max abs difference {err:.3g}, tolerance {tol:.3g})\n"
+    )
+    return 0 if passed else 1

@@ -3,8 +3,11 @@
 Uses the same codecs and pipeline as the server, so the output is identical to what
 ``POST /v1/models/NAME/infer`` returns for the same file and options. The output format follows
 ``--format``, else OUTPUT's suffix (``.nii.gz``, ``.nii``, ``.png``, ``.tif``/``.tiff``, ``.npy``),
-else the input (NIfTI in, ``nii.gz`` out; ``png`` for labels, ``tiff`` for probabilities). The
-output is written under a temporary name and renamed into place when complete.
+else the input (NIfTI in, ``nii.gz`` out; ``png`` for labels, ``tiff`` for probabilities). An
+OUTPUT named for another image format (``.jpg``, ``.bmp``, ``.dcm`` ...) or for a format other than
+``--format`` is refused (exit status 2): the bytes would not be what the name says. The output is
+written under a temporary name and renamed into place when complete; ``--progress`` shows a bar of
+tiles on stderr.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,26 @@ def register(sub: Any) -> None:
     parser.set_defaults(run=_run)
 
 
+#: Suffixes of image and volume formats that tilewise reads or that viewers know, but never writes.
+_FOREIGN_SUFFIXES = {".dcm", ".dicom", ".mha", ".mhd", ".nrrd", ".nhdr", ".mgz", ".mgh", ".hdr", ".img"}
+
+
+def output_problem(path: Path, requested: str | None) -> str | None:
+    """Why ``path`` cannot hold the output (format ``requested``, or the default), or ``None``."""
+    from PIL import Image
+
+    named = format_from_suffix(path)
+    suffix = path.suffix.lower()
+    writable = ".nii.gz, .nii, .png, .tif/.tiff or .npy"
+    if named is None and (suffix in Image.registered_extensions() or suffix in _FOREIGN_SUFFIXES):
+        return f"cannot write {path.name!r}: tilewise does not write {suffix} files; name it {writable}"
+    if named is not None and requested is not None and named != requested:
+        return (
+            f"--format {requested} does not match {path.name!r} (a {named} name); drop one or make them agree"
+        )
+    return None
+
+
 def format_from_suffix(path: Path) -> str | None:
     """The output format named by ``path``'s suffix, or ``None``."""
     name = path.name.lower()
@@ -55,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
     from models.params import parse_params
     from service.codecs import configure_pillow
     from service.errors import ServiceError
-    from service.pipeline import run_file
+    from service.pipeline import Limits, run_file
     from service.settings import Settings
     from tiling import TilingError
 
@@ -63,6 +87,10 @@ def _run(args: argparse.Namespace) -> int:
     settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     configure_pillow(settings.max_image_pixels)
     raw: dict[str, str | None] = {"format": format_from_suffix(args.output), **param_values(args)}
+    problem = output_problem(args.output, param_values(args).get("format"))
+    if problem is not None:
+        sys.stderr.write(f"tilewise infer: error: {problem}\n")
+        return 2
     if not args.input.is_file():
         logger.error("input %s is not a file", args.input)
         return 2
@@ -72,7 +100,8 @@ def _run(args: argparse.Namespace) -> int:
         params = parse_params(raw)
         model = ModelRepository(settings.models_dir, device=settings.device).get(args.model)
         target.parent.mkdir(parents=True, exist_ok=True)
-        result = run_file(model, args.input, stem, params, max_image_pixels=settings.max_image_pixels)
+        limits = Limits(max_image_pixels=settings.max_image_pixels)
+        result = run_file(model, args.input, stem, params, limits=limits, progress=args.progress)
         os.replace(result.path, target)
     except (ServiceError, ModelError, TilingError) as exc:
         logger.error("infer failed: %s", exc)

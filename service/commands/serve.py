@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 _count = argparse_number(int, 0)
 _positive = argparse_number(int, 1)
+_seconds = argparse_number(float, 0.0)
+_work = argparse_number(float, 0.0, strict=True)
 
 #: ``(option, Settings field, argparse type, help)``; the variable is ``TILEWISE_<FIELD>``.
 _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
@@ -33,6 +35,16 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--retry-after", "retry_after_s", _count, "Retry-After seconds sent with 503 (default: 2)"),
     ("--tmp-dir", "tmp_dir", Path, "folder of temporary upload/result files (default: the system's)"),
     ("--graceful-shutdown", "graceful_shutdown_s", _count, "on SIGTERM, seconds to finish requests (120)"),
+    ("--drain", "drain_s", _seconds, "on SIGTERM, seconds /readyz fails before the listener closes (5)"),
+    ("--max-batch-size", "max_batch_size", _positive, "largest batch_size of a request (256)"),
+    ("--max-tiles", "max_tiles", _positive, "most tiles one request may run (65536)"),
+    ("--max-work", "max_work", _work, "most voxels through the network per input voxel (64)"),
+    ("--max-request-bytes", "max_request_bytes", _positive, "most memory one request's plan may predict"),
+    ("--max-uploads", "max_uploads", _positive, "uploads in progress at once (16)"),
+    ("--upload-min-rate", "upload_min_rate", _count, "bytes/s an upload must average (16384)"),
+    ("--upload-grace", "upload_grace_s", _seconds, "seconds before the minimum rate applies (10)"),
+    ("--upload-idle", "upload_idle_s", _work, "seconds an upload may send nothing (30)"),
+    ("--max-header-bytes", "max_header_bytes", _positive, "request line plus headers, bytes (32768)"),
 )
 
 
@@ -76,6 +88,7 @@ def _run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from service.app import create_app
+    from service.server import DrainingServer, JsonH11Protocol
 
     try:
         settings = settings_from_args(args)
@@ -84,11 +97,15 @@ def _run(args: argparse.Namespace) -> int:
             logger.error("%s: %s", ".".join(str(p) for p in err["loc"]), err["msg"])
         return 2
     logger.info("starting tilewise on http://%s:%d", args.host, args.port)
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=args.host,
         port=args.port,
         log_config=None,  # service.log configured the root logger already
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        http=JsonH11Protocol,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
     )
+    DrainingServer(config, app.state, settings.drain_s).run()
     return 0

@@ -9,11 +9,25 @@ from models.params import InferenceParams
 __all__ = ["error_doc", "params_doc"]
 
 
+#: The JSON error body of every refusal (``service.http_errors``).
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "title": "Error",
+    "required": ["error", "detail"],
+    "properties": {
+        "error": {"type": "string", "description": "A stable code: `bad_parameter`, `queue_full` ..."},
+        "detail": {"type": "string", "description": "What was wrong, and what to do."},
+        "request_id": {"type": "string", "description": "The id of the request (`X-Request-ID`)."},
+    },
+}
+
+
 def error_doc(code: str, description: str) -> dict[str, Any]:
     """A ``responses={status: ...}`` entry for the JSON error body with ``code``."""
+    example = {"error": code, "detail": "...", "request_id": "..."}
     return {
         "description": description,
-        "content": {"application/json": {"example": {"error": code, "detail": "...", "request_id": "..."}}},
+        "content": {"application/json": {"schema": ERROR_SCHEMA, "example": example}},
     }
 
 

@@ -23,10 +23,15 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", responses={503: error_doc("not_ready", "Models not loaded (yet).")})
 async def readyz(request: Request, settings: SettingsDep, repository: RepositoryDep) -> JSONResponse:
-    """Readiness: models are loaded and warmed up, and the executor accepts work."""
-    if not getattr(request.app.state, "ready", False):
+    """Readiness: models are loaded and warmed up, and the server is not stopping.
+
+    Fails (503) first when the server drains before it stops (SIGTERM), while it still serves.
+    """
+    state = request.app.state
+    if not getattr(state, "ready", False) or getattr(state, "draining", False):
+        detail = "the server is stopping" if getattr(state, "draining", False) else "models are not loaded"
         return JSONResponse(
-            {"error": "not_ready", "detail": "models are not loaded", "request_id": current_request_id()},
+            {"error": "not_ready", "detail": detail, "request_id": current_request_id()},
             status_code=503,
             headers={"Retry-After": str(settings.retry_after_s)},
         )

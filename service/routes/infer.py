@@ -7,7 +7,7 @@ import concurrent.futures
 import functools
 import logging
 import shutil
-import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,17 +18,17 @@ from fastapi.responses import FileResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from models.params import InferenceParams, parse_params
+from models.params import InferenceParams, parse_query
+from service.budget import Budget
 from service.deps import ExecutorDep, MetricsDep, RepositoryDep, SettingsDep
 from service.errors import NotReadyError
 from service.executor import Slot
 from service.http_errors import classify
 from service.metrics import Metrics
-from service.pipeline import InferenceResult, run_file
+from service.pipeline import InferenceResult, Limits, precheck, run_file
 from service.requestid import current_request_id
 from service.routes.docs import error_doc, params_doc
-from service.settings import Settings
-from service.upload import receive_upload
+from service.upload import Pace, receive_upload
 
 __all__ = ["router"]
 
@@ -48,12 +48,21 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
             t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")
         },
     },
-    400: error_doc("bad_parameter", "Invalid query parameter, or an empty body."),
+    400: error_doc("bad_parameter", "Invalid, unknown or repeated query parameter, or an empty body."),
     401: error_doc("unauthorized", "Missing or wrong API key (when the server has one)."),
     404: error_doc("unknown_model", "No model of this name (the detail lists close matches)."),
-    413: error_doc("payload_too_large", "Upload over max_upload_bytes, or image over max_voxels / pixels."),
+    408: error_doc("upload_timeout", "The upload stalled, or arrived below the minimum rate."),
+    413: error_doc(
+        "payload_too_large",
+        "Upload over max_upload_bytes, image over max_voxels / pixels / decompressed bytes, or a "
+        "plan whose predicted memory is over max_request_bytes (`over_budget`).",
+    ),
     415: error_doc("unsupported_media_type", "Not NIfTI-1/2, PNG, JPEG or TIFF (by content)."),
-    422: error_doc("unusable_input", "Corrupt/truncated file, wrong dimensionality or channels, NaN-only."),
+    422: error_doc(
+        "unusable_input",
+        "Corrupt/truncated file, wrong dimensionality or channels, NaN-only; or a plan over "
+        "max_batch_size / max_tiles / max_work (`over_budget`).",
+    ),
     503: error_doc("queue_full", "The device queue is full; retry after `Retry-After` seconds."),
 }
 
@@ -107,28 +116,27 @@ def _headers(label: str, result: InferenceResult) -> dict[str, str]:
     }
 
 
+def _precheck(repository: Any, name: str, source: Path, params: InferenceParams, limits: Limits) -> None:
+    """Worker-thread check of the uploaded file's header and plan, before it takes a slot."""
+    precheck(repository.get(name), source, params, limits)
+
+
 def _work(
     repository: Any,
     name: str,
     source: Path,
     stem: Path,
     params: InferenceParams,
-    settings: Settings,
+    limits: Limits,
     metrics: Metrics,
+    stop: threading.Event,
 ) -> InferenceResult:
     """Executor-thread work of one request (load the model if needed, run the pipeline), then its
-    metrics from the one plan."""
+    metrics from the one plan. Tiles are counted batch by batch as they run."""
     model = repository.get(name)
-    result = run_file(
-        model,
-        source,
-        stem,
-        params,
-        max_voxels=settings.max_voxels,
-        max_image_pixels=settings.max_image_pixels,
-    )
+    tiles = metrics.tiles.labels(model.spec.name)
+    result = run_file(model, source, stem, params, limits=limits, should_stop=stop.is_set, progress=tiles.inc)
     metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
-    metrics.tiles.labels(model.spec.name).inc(result.plan.n_tiles)
     return result
 
 
@@ -136,7 +144,7 @@ async def _await_job(
     future: concurrent.futures.Future[InferenceResult], request: Request
 ) -> InferenceResult | None:
     """The job's result, or ``None`` when the client disconnects first (the job is cancelled
-    if it has not started; a running job completes and its output is dropped)."""
+    if it has not started; the caller stops a running one)."""
 
     async def disconnected() -> None:
         while True:
@@ -171,26 +179,37 @@ async def infer(
     label, status = "unknown", 500
     workdir: Path | None = None
     slot: Slot | None = None
+    state = request.app.state
+    stop = threading.Event()
     try:  # every outcome, refusals included, is counted in the finally clause
-        if not getattr(request.app.state, "ready", False):
+        if not getattr(state, "ready", False):
             raise NotReadyError("models are not loaded (starting or shutting down)")
         label = repository.spec(name).name  # 404 before reading the body
-        params = parse_params(dict(request.query_params))
-        # Hold a queue slot before reading the body: a full queue answers 503 with nothing read,
-        # so concurrent uploads are bounded by the queue too, not only the jobs.
-        slot = executor.reserve()
-        workdir = Path(await anyio.to_thread.run_sync(_mkdtemp, settings.tmp_dir))
-        source, n_bytes = await receive_upload(
-            request, workdir / "input", max_bytes=settings.max_upload_bytes
-        )
+        params = parse_query(request.query_params.multi_items())
+        limits = Limits.from_settings(settings)
+        Budget.from_settings(settings).check_params(params)
+        if not executor.has_room():  # a hint: nothing is read when the queue is full now
+            raise executor.full_error()
+        # The body arrives under the upload bound (count, rate); only then does the request take
+        # an inference slot, so slow senders never hold the device queue.
+        with state.uploads.hold():
+            workdir = await anyio.to_thread.run_sync(state.workroot.mkdtemp)
+            pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s)
+            source, n_bytes = await receive_upload(
+                request, workdir / "input", max_bytes=settings.max_upload_bytes, pace=pace
+            )
         metrics.bytes_in.inc(n_bytes)
+        await anyio.to_thread.run_sync(_precheck, repository, label, source, params, limits)
+        slot = executor.reserve()
         logger.info("request %s queued model=%s on %s", current_request_id(), label, executor.device)
         work = functools.partial(
-            _work, repository, label, source, workdir / "output", params, settings, metrics
+            _work, repository, label, source, workdir / "output", params, limits, metrics, stop
         )
+        state.stops.add(stop)
         future = executor.submit_future(work, slot=slot)
         result = await _await_job(future, request)
         if result is None:
+            stop.set()  # a running job stops before its next batch
             logger.info("request %s: client disconnected; job %s", current_request_id(), _fate(future))
             if not future.done():  # still running: its thread removes the folder when it ends
                 folder = workdir
@@ -216,6 +235,7 @@ async def infer(
         status = classify(exc).status
         raise
     finally:
+        state.stops.discard(stop)
         if slot is not None:
             slot.release()  # a no-op once the job took the slot
         if workdir is not None:
@@ -224,9 +244,5 @@ async def infer(
         metrics.request_seconds.labels(label).observe(time.perf_counter() - started)
 
 
-def _mkdtemp(parent: Path | None) -> str:
-    return tempfile.mkdtemp(prefix="tilewise-", dir=parent)
-
-
 def _fate(future: concurrent.futures.Future[Any]) -> str:
-    return "cancelled before it started" if future.cancelled() else "still running; output dropped"
+    return "cancelled before it started" if future.cancelled() else "running: stops at its next batch"

@@ -173,15 +173,16 @@ def instance_env(tmp_dir: Path, models_dir: Path) -> dict[str, str]:
     return env
 
 
-def start_instance(root: Path, name: str, models_dir: Path) -> Instance:
-    """Start `tilewise serve` on a free port (returns at once; see wait_ready)."""
+def start_instance(root: Path, name: str, models_dir: Path, port: int | None = None) -> Instance:
+    """Start `tilewise serve` on ``port`` (default: a free one); returns at once (see wait_http).
+    Starting one again under the same name and port continues its folder and appends to its log."""
     tilewise = tool("tilewise")
     assert tilewise is not None, "the tilewise console script is not installed (pip install -e .)"
-    port = free_port()
+    port = free_port() if port is None else port
     tmp_dir = root / f"{name}-tmp"
-    tmp_dir.mkdir()
+    tmp_dir.mkdir(exist_ok=True)
     log = root / f"{name}.log"
-    with log.open("wb") as out:
+    with log.open("ab") as out:
         proc = subprocess.Popen(
             [tilewise, "serve", "--host", "127.0.0.1", "--port", str(port)],
             stdout=out,

@@ -68,6 +68,26 @@ def test_tta_from_spec_defaults_and_refused_values() -> None:
         parse_params({"tta": "mirorr"})
 
 
+def test_tta_average_logits_takes_the_activation_after_the_mean(rng: np.random.Generator) -> None:
+    """``output.tta_average: logits`` (nnU-Net's way): softmax of the mean logits over the flips."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(1, 2, 5, padding=2)
+    spec = spec_from_mapping({**SPEC, "output": {"activation": "softmax", "tta_average": "logits"}})
+    model = Model(spec, EagerPredictor(spec, torch.device("cpu"), conv))
+    x = rng.standard_normal((1, 45, 70)).astype(np.float32)
+    logits = []
+    for k in range(3):
+        for axes in itertools.combinations((2, 3), k):
+            t = torch.from_numpy(x)[None]
+            with torch.inference_mode():
+                y = conv(t.flip(axes) if axes else t)
+            logits.append((y.flip(axes) if axes else y)[0])
+    expected = torch.softmax(torch.stack(logits).mean(0), dim=0).numpy()
+    got = model.run(x, parse_params({"tta": "mirror"}))
+    np.testing.assert_allclose(got, expected, atol=1e-5)  # fp32 conv on different crops
+    assert np.abs(got - _whole_tta(conv, x)).max() > 1e-4  # not the mean of the probabilities
+
+
 @pytest.fixture(scope="module")
 def backends_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The skewed conv as TorchScript and as ONNX (``mirror_axes: [1]``), with the eager module."""

@@ -80,8 +80,10 @@ class Server:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The environment without the developer's ``TILEWISE_*`` variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_")}
+    """The environment without ``TILEWISE_*`` variables but the test's empty ``TILEWISE_MODELS_DIR``
+    (set by the root conftest), plus ``extra``."""
+    keep = {"TILEWISE_MODELS_DIR"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_") or k in keep}
     env.update(extra)
     return env
 
@@ -97,15 +99,10 @@ def start_server(
     """Start ``uvicorn --factory service.app:create_app`` with ``TILEWISE_*`` variables, or
     ``tilewise serve --port P *cli_args`` when ``cli_args`` is given; on ``port`` (default: a free
     one) so that a test can restart a server where its clients expect it. The one way tests start
-    servers; ``TILEWISE_MODELS_DIR`` defaults to an empty folder in ``tmp_dir`` (built-ins only),
-    so no test reads or writes the user's model cache."""
+    servers; ``TILEWISE_MODELS_DIR`` defaults to the test session's empty folder (built-ins only)."""
     port = free_port() if port is None else port
     log = tmp_dir / f"server-{port}.log"
     environ = clean_env(**{f"TILEWISE_{k.upper()}": v for k, v in env.items()})
-    if "TILEWISE_MODELS_DIR" not in environ:
-        empty = tmp_dir / "no-models"
-        empty.mkdir(parents=True, exist_ok=True)
-        environ["TILEWISE_MODELS_DIR"] = str(empty)
     environ.setdefault("TILEWISE_DEVICE", "cpu")
     environ.setdefault("TILEWISE_TMP_DIR", str(tmp_dir))
     environ["PYTHONPATH"] = str(REPO) + os.pathsep + environ.get("PYTHONPATH", "")

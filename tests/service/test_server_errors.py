@@ -66,10 +66,16 @@ def _cases(mni152: Path, example4d: Path) -> list[tuple[str, str, bytes, dict[st
     rgb = _png(rng.integers(0, 255, (40, 30, 3), dtype=np.uint8))
     grey = _png(rng.integers(0, 255, (40, 30), dtype=np.uint8))
     nan = _nifti(np.full((8, 8, 8), np.nan, dtype=np.float32))
+    whole_gz = gzip.compress(
+        nib.Nifti1Image(rng.random((40, 40, 40), dtype=np.float32), np.eye(4)).to_bytes()
+    )
+    truncated_gz = whole_gz[: len(whole_gz) // 2]
     return [
         ("random-bytes", "gaussian-3d", rng.bytes(4096), {}, 415, "unsupported_media_type"),
         ("empty-body", "gaussian-3d", b"", {}, 400, "empty_body"),
-        ("truncated-nii-gz", "gaussian-3d", _truncated(mni152), {}, 422, "decode_error"),
+        ("truncated-nii-gz", "gaussian-3d", truncated_gz, {}, 422, "decode_error"),
+        # MNI152 inflates to 8.3 MiB: over this server's 8 MiB, refused from its header alone.
+        ("nii-gz-inflating-past-the-limit", "gaussian-3d", _truncated(mni152), {}, 413, "payload_too_large"),
         ("4d-nifti-to-3d-model", "gaussian-3d", example4d.read_bytes(), {}, 422, "unusable_input"),
         ("rgb-png-to-grey-only", "grey-only-2d", rgb, {}, 422, "unusable_input"),
         (
@@ -132,10 +138,12 @@ def _read_response(sock: socket.socket) -> str:
 
 
 def _assert_no_temporary_files(folder: Path) -> None:
+    """No request folder is left (the running server's own, empty, process folder is)."""
     deadline = time.monotonic() + 5
-    while any(folder.glob("tilewise-*")) and time.monotonic() < deadline:
+    while any(folder.glob("tilewise-work/*/req-*")) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not list(folder.glob("tilewise-*"))
+    assert not list(folder.glob("tilewise-work/*/req-*"))
+    assert not [p for p in folder.glob("tilewise-*") if p.name != "tilewise-work"]
 
 
 def test_upload_limit_stops_reading_early(server: Server, server_tmp: Path) -> None:
@@ -288,24 +296,31 @@ def test_client_that_disconnects_frees_its_queue_slot(server: Server, anatomical
     assert httpx.get(f"{server.url}/healthz").status_code == 200
 
 
-def test_full_queue_refuses_an_upload_before_reading_it(
+def test_full_upload_bound_refuses_an_upload_before_reading_it(
     tmp_path: Path, models_dir: Path, anatomical_path: Path
 ) -> None:
-    """Uploads hold a queue slot from their first byte: with every slot held by uploads still in
-    progress, one more upload gets 503 + Retry-After and none of its body is read or written."""
+    """Uploads in progress have a bound of their own and hold no queue slot: with both upload
+    places held by unfinished bodies, one more upload gets 503 + Retry-After and none of its body
+    is read or written, while the device queue stays empty."""
     server = start_server(
-        tmp_path, models_dir=str(models_dir), queue_size="1", retry_after_s="5", warmup="false"
+        tmp_path,
+        models_dir=str(models_dir),
+        queue_size="1",
+        max_uploads="2",
+        retry_after_s="5",
+        warmup="false",
     )
     port = int(server.url.rsplit(":", 1)[1])
     depth = "tilewise_queue_depth "
+    requests = lambda: list(tmp_path.glob("tilewise-work/*/req-*"))  # noqa: E731
     try:
         head = "POST /v1/models/gaussian-3d/infer HTTP/1.1\r\nHost: test\r\nContent-Length: {}\r\n\r\n"
         slow = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
         try:
-            for sock in slow:  # queue_size=1: one slot to run, one to wait; both held, bodies unfinished
+            for sock in slow:  # max_uploads=2: both places held, bodies unfinished
                 sock.sendall(head.format(2**22).encode() + b"\0" * 65536)
-            assert _wait_for(lambda: _metric(server.url, depth) == 2)  # the held slots count
-            assert _wait_for(lambda: len(list(tmp_path.glob("tilewise-*"))) == 2)
+            assert _wait_for(lambda: len(requests()) == 2)
+            assert _metric(server.url, depth) == 0  # no inference slot is held by an upload
             bytes_in = _metric(server.url, "tilewise_bytes_in_total")
             body = np.random.default_rng(0).bytes(65536)
             with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
@@ -313,14 +328,14 @@ def test_full_queue_refuses_an_upload_before_reading_it(
                 reply = _read_response(sock)
             assert reply.startswith("HTTP/1.1 503"), reply[:300]
             assert "\r\nretry-after: 5\r\n" in reply.lower()
-            assert '"error":"queue_full"' in reply
+            assert '"error":"queue_full"' in reply and "max_uploads=2" in reply
             assert _metric(server.url, "tilewise_bytes_in_total") == bytes_in  # nothing was read
-            assert len(list(tmp_path.glob("tilewise-*"))) == 2  # nor written
+            assert len(requests()) == 2  # nor written
         finally:
             for sock in slow:
                 sock.close()
-        # The clients went away mid-upload: their slots are free again.
-        assert _wait_for(lambda: _metric(server.url, depth) == 0)
+        # The clients went away mid-upload: their places are free again.
+        assert _wait_for(lambda: not requests())
         response = httpx.post(
             f"{server.url}/v1/models/gaussian-3d/infer", content=anatomical_path.read_bytes()
         )

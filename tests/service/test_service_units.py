@@ -192,8 +192,10 @@ def test_every_public_exception_has_an_http_mapping() -> None:
         "NotReadyError": 503, "ModelError": 500, "UnknownModelError": 404, "RegistryError": 500,
         "SpecError": 500, "InputError": 422, "WeightsError": 500, "ChecksumMismatchError": 500,
         "IncompatibleWeightsError": 500, "BackendError": 500, "BackendUnavailableError": 503,
-        "InferenceError": 500, "DeviceOutOfMemoryError": 503, "ExportError": 500, "TilingError": 500,
+        "InferenceError": 500, "DeviceOutOfMemoryError": 503, "ExportError": 500,
+        "ImportRefusedError": 500, "ModelUnavailableError": 503, "TilingError": 500,
         "GridError": 400, "ShapeMismatchError": 500, "CoverageError": 500, "AccumulatorStateError": 500,
+        "OverBudgetError": 422, "MemoryBudgetError": 413, "UploadTimeoutError": 408, "RunCancelledError": 503,
     }  # fmt: skip
     classes = [*_public_errors(service_errors), *_public_errors(model_errors), *_public_errors(tiling_errors)]
     assert {c.__name__ for c in classes} == set(expected)

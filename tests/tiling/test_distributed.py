@@ -20,6 +20,7 @@ different sizes change only fp32 rounding in the convolutions (measured 0 to ~1e
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -421,6 +422,25 @@ def test_cluster_gpu_resource_sends_every_task_to_the_worker_that_has_it(client,
     _wait_for(lambda: len(client.nthreads()) == 2, 60, "the GPU worker to leave")
 
 
+@pytest.mark.timeout(120)
+def test_threaded_worker_loads_once_and_reports_progress(zarr_mod, tmp_path, rng, capsys):
+    # One worker with 2 threads in this process (processes=False): concurrent tasks share one load
+    # (the plugin's lock), and progress=True prints Dask's own progress bar.
+    distributed = pytest.importorskip("distributed")
+    factory = NetFactory(c_in=1, dilations=(1, 1), record_dir=str(tmp_path))
+    x = rng.standard_normal((1, 24, 20, 18), dtype=np.float32)
+    z = _to_zarr(zarr_mod, tmp_path / "in.zarr", x, 8)
+    with (
+        distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0")
+        as cluster,
+        distributed.Client(cluster, set_as_default=False) as c,
+    ):  # fmt: skip
+        y = tiled_inference_dask(z, factory, halo=2, out=tmp_path / "out.zarr", client=c, progress=True)
+    assert loads_per_process(tmp_path) == {os.getpid(): 1}
+    assert float(np.abs(y[...] - whole(factory.build(), x)).max()) <= ATOL
+    assert "100% Completed" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_cuda_worker(tmp_path, zarr_mod, rng, record_diff):
@@ -540,3 +560,29 @@ def test_separate_processes_survive_a_killed_worker(tmp_path, zarr_mod, rng, rec
                 f"SIGKILL after {written_at_kill}/27 chunks written; model loads per process {loads}",
             )
             assert record_diff("dask-processes-killed-worker", y[...], want) <= ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_worker_memory_follows_the_chunk_not_the_volume(tmp_path, record_figure):
+    # benchmarks/dask_scaling.py on 192^3 (27 MiB) and 384^3 (216 MiB) float32 volumes, chunk 96,
+    # tile 48, 2 worker processes: each worker's peak RSS rise over its level before the run.
+    # Measured: +50 MiB at 192^3 and +71 MiB at 384^3 (0.33 of the volume). The 8x larger volume may
+    # add at most 15% of its size (the extra is the 27 zarr chunks an inner block touches when it is
+    # read, against 8 in the 2x2x2 plan of 192^3), and the rise stays under half the volume.
+    pytest.importorskip("distributed")
+    script = HERE.parents[1] / "benchmarks" / "dask_scaling.py"
+    report = tmp_path / "scaling.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--sizes", "192", "384", "--chunk", "96", "--tile", "48",
+         "--workers", "2", "--workdir", str(tmp_path), "--json", str(report)],
+        capture_output=True, text=True, timeout=1400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    runs = {r["size"]: r for r in json.loads(report.read_text())["runs"]}
+    rise = {size: max(w["rise_mib"] for w in run["workers"]) for size, run in runs.items()}
+    volume = runs[384]["volume_mib"]
+    text = f"peak RSS rise {rise[192]:.0f} MiB at 192^3, {rise[384]:.0f} MiB at 384^3 ({volume:.0f} MiB)"
+    record_figure("dask worker memory", text)
+    assert rise[384] < 0.5 * volume, rise
+    assert rise[384] - rise[192] < 0.15 * volume, rise

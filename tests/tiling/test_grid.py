@@ -127,6 +127,8 @@ def test_sized_plan_never_feeds_more_than_the_fixed_one():
         pytest.param((113, 133, 108), 96, 8, 1, (65, 75, 62), 1.490, 4.361, id="log3d-tile96"),
         # text-det-2d (alignment 32) on the 1955 x 1841 radiograph, tile 512, halo 64: 5 x 5 tiles.
         pytest.param((1955, 1841), 512, 64, 32, (512, 480), 1.707, 1.821, id="radiograph-2d"),
+        # The README's example: (97, 131, 89), tile 64, halo 4.
+        pytest.param((97, 131, 89), 64, 4, 1, (53, 49, 49), 1.350, 2.782, id="readme-example"),
     ],
 )
 def test_work_of_the_benchmark_cases(shape, tile, halo, align, sized_tile, sized_work, fixed_work):

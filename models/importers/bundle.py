@@ -1,0 +1,312 @@
+"""Import a MONAI bundle (folder or zip): its metadata, inference config, and network.
+
+Read with MONAI's own ``ConfigParser`` (references and expressions resolved as MONAI resolves them):
+
+- ``configs/metadata.json``: input and output channels (``network_data_format``), label names
+  (``outputs.pred.channel_def``), the bundle's name.
+- ``configs/inference.json`` (or ``.yaml``): ``preprocessing`` (Orientationd -> ``orientation``,
+  Spacingd -> ``spacing``, ScaleIntensityRanged -> ``scale_range``, NormalizeIntensityd ->
+  ``zscore`` / ``normalize``; loading, channel-first and type conversions are what tilewise's codecs
+  do anyway), ``inferer`` (``roi_size`` -> ``tile``, ``sw_batch_size`` -> ``batch_size``; for a
+  tile-dependent network ``overlap`` and ``mode`` -> ``overlap``, ``blend``; a local one gets
+  ``halo: auto`` instead, which makes the tiles exact), ``postprocessing`` (Activationsd ->
+  ``output.activation``, AsDiscreted argmax -> ``output.kind: labels``; Invertd and SaveImaged are
+  what tilewise does with every output).
+- the network: ``network_def`` instantiated by the parser with ``models/model.pt`` loaded strictly,
+  else ``models/model.ts``; exported wrapped in :class:`~models.importers.convert.PadToShape`
+  (``roi_size``), since ``SlidingWindowInferer`` zero-pads smaller inputs, centred, to ``roi_size``.
+
+Any other transform, or an option of these that tilewise cannot reproduce, is refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import pydoc
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.errors import ImportRefusedError
+from models.importers.convert import (
+    FORMATS,
+    PadToShape,
+    WrittenModel,
+    export_network,
+    model_name,
+    write_model,
+)
+from models.importers.probe import probe_network
+
+__all__ = ["import_bundle"]
+
+logger = logging.getLogger(__name__)
+
+#: Transforms that tilewise does anyway (decode, channel-first, float32, inverse geometry, writing).
+_PASS = {
+    "LoadImaged", "LoadImage", "EnsureChannelFirstd", "EnsureChannelFirst", "AddChanneld", "EnsureTyped",
+    "EnsureType", "ToTensord", "ToTensor", "ToNumpyd", "ToDeviced", "Identityd", "Identity", "Invertd",
+    "SaveImaged", "SaveImage", "CopyItemsd", "DeleteItemsd", "CastToTyped",
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _bundle_root(source: Path) -> Iterator[Path]:
+    """The folder holding ``configs/metadata.json``: ``source`` itself, or a zip extracted to a temp dir."""
+    if source.is_dir():
+        yield source
+        return
+    with tempfile.TemporaryDirectory(prefix="tilewise-bundle-") as tmp, zipfile.ZipFile(source) as archive:
+        for member in archive.namelist():
+            if member.startswith(("/", "\\")) or ".." in Path(member).parts:
+                raise ImportRefusedError(f"{source}: zip member {member!r} points outside the archive")
+        archive.extractall(tmp)
+        found = sorted(Path(tmp).rglob("configs/metadata.json"), key=lambda p: len(p.parts))
+        yield found[0].parent.parent
+
+
+def _monai() -> Any:
+    try:
+        from monai.bundle import ConfigParser
+    except ImportError as exc:
+        raise ImportRefusedError(
+            "reading a MONAI bundle needs MONAI: pip install 'tilewise[import]' (serving does not)"
+        ) from exc
+    return ConfigParser
+
+
+def _args(component: Any) -> tuple[str, dict[str, Any]]:
+    """A config component's class name and its arguments, the class's defaults filled in."""
+    module_name = component.resolve_module_name()
+    args = dict(component.resolve_args())
+    target = pydoc.locate(module_name) if isinstance(module_name, str) else None
+    if target is not None:
+        with contextlib.suppress(TypeError, ValueError):
+            for key, param in inspect.signature(target).parameters.items():
+                if param.default is not inspect.Parameter.empty:
+                    args.setdefault(key, param.default)
+    name = module_name.rsplit(".", 1)[-1] if isinstance(module_name, str) else str(module_name)
+    return name, args
+
+
+def _transforms(parser: Any, key: str, where: str) -> list[tuple[str, dict[str, Any]]]:
+    if key not in parser.config:
+        raise ImportRefusedError(f"{where}: field {key!r} is missing")
+    component = parser.get_parsed_content(key, instantiate=False)
+    config = component.get_config() if hasattr(component, "get_config") else component
+    items = config.get("transforms", []) if isinstance(config, dict) else config
+    out = []
+    for item in items:
+        if hasattr(item, "is_disabled") and item.is_disabled():
+            continue
+        out.append(_args(item))
+    return out
+
+
+def _as_list(value: Any, dims: int) -> list[Any]:
+    return list(value) if isinstance(value, list | tuple) else [value] * dims
+
+
+def _preprocessing(steps: list[tuple[str, dict[str, Any]]], dims: int, where: str) -> dict[str, Any]:
+    """Spec fields from the pre-transforms: ``orientation``, ``spacing`` and ``preprocess``."""
+    out: dict[str, Any] = {"preprocess": []}
+    for name, a in steps:
+        if name in _PASS:
+            if name == "CastToTyped" and "float32" not in str(a.get("dtype")):
+                raise ImportRefusedError(f"{where}: transform CastToTyped(dtype={a.get('dtype')}) not mapped")
+            continue
+        if name == "Orientationd":
+            if a.get("as_closest_canonical") or not isinstance(a.get("axcodes"), str):
+                raise ImportRefusedError(f"{where}: transform Orientationd without 'axcodes' not mapped")
+            out["orientation"] = a["axcodes"].upper()
+        elif name == "Spacingd":
+            mode = str(getattr(a.get("mode"), "value", a.get("mode"))).lower()
+            pixdim = [float(v) for v in _as_list(a.get("pixdim"), dims)]
+            if mode != "bilinear" or len(pixdim) < dims or min(pixdim) <= 0:
+                raise ImportRefusedError(
+                    f"{where}: transform Spacingd(pixdim={a.get('pixdim')}, mode={mode}) cannot be mapped "
+                    "(tilewise resamples images linearly to one positive spacing per axis)"
+                )
+            out["spacing"] = pixdim[:dims]
+        elif name == "ScaleIntensityRanged":
+            if a.get("b_min") is None or a.get("b_max") is None:
+                raise ImportRefusedError(f"{where}: transform ScaleIntensityRanged needs b_min and b_max")
+            out["preprocess"].append(
+                {
+                    "type": "scale_range",
+                    **{k: float(a[k]) for k in ("a_min", "a_max", "b_min", "b_max")},
+                    "clip": bool(a.get("clip")),
+                }  # fmt: skip
+            )
+        elif name == "NormalizeIntensityd":
+            sub, div, nonzero = a.get("subtrahend"), a.get("divisor"), bool(a.get("nonzero"))
+            if sub is None and div is None:
+                step = {"type": "zscore", "channel_wise": bool(a.get("channel_wise")), "nonzero": nonzero}
+                out["preprocess"].append(step)
+            elif sub is not None and div is not None and not nonzero:
+                step = {"type": "normalize", "mean": _number_or_list(sub), "std": _number_or_list(div)}
+                out["preprocess"].append(step)
+            else:
+                raise ImportRefusedError(f"{where}: transform NormalizeIntensityd({a}) cannot be mapped")
+        else:
+            raise ImportRefusedError(f"{where}: pre-transform {name} cannot be mapped")
+    return out
+
+
+def _number_or_list(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return [float(v) for v in value]
+    return float(value)
+
+
+def _postprocessing(steps: list[tuple[str, dict[str, Any]]], where: str) -> dict[str, Any]:
+    output = {"activation": "none", "kind": "probabilities"}
+    for name, a in steps:
+        if name in _PASS:
+            continue
+        if name == "Activationsd":
+            if a.get("other") is not None or (a.get("softmax") and a.get("sigmoid")):
+                raise ImportRefusedError(f"{where}: transform Activationsd({a}) cannot be mapped")
+            activation = "softmax" if a.get("softmax") else "sigmoid" if a.get("sigmoid") else "none"
+            output["activation"] = activation
+        elif name == "AsDiscreted":
+            if a.get("argmax") and not a.get("to_onehot") and a.get("threshold") is None:
+                output["kind"] = "labels"
+            else:
+                raise ImportRefusedError(f"{where}: transform AsDiscreted({a}) cannot be mapped (argmax)")
+        else:
+            raise ImportRefusedError(f"{where}: post-transform {name} cannot be mapped")
+    return output
+
+
+def _inferer(parser: Any, where: str) -> tuple[str, dict[str, Any]]:
+    if "inferer" not in parser.config:
+        raise ImportRefusedError(f"{where}: field 'inferer' is missing")
+    name, a = _args(parser.get_parsed_content("inferer", instantiate=False))
+    if name == "SlidingWindowInferer":
+        pad = str(getattr(a.get("padding_mode"), "value", a.get("padding_mode"))).lower()
+        if pad != "constant" or float(a.get("cval") or 0) != 0:
+            raise ImportRefusedError(f"{where}: SlidingWindowInferer padding_mode={pad} cval={a.get('cval')}")
+        mode = str(getattr(a.get("mode"), "value", a.get("mode"))).lower()
+        if isinstance(a.get("overlap"), list | tuple) or mode not in ("constant", "gaussian"):
+            raise ImportRefusedError(f"{where}: SlidingWindowInferer overlap={a.get('overlap')} mode={mode}")
+    elif name != "SimpleInferer":
+        raise ImportRefusedError(f"{where}: inferer {name} cannot be mapped")
+    return name, a
+
+
+def _network(parser: Any, root: Path, where: str) -> nn.Module:
+    from models.weights import load_weights
+
+    weights = root / "models" / "model.pt"
+    script = root / "models" / "model.ts"
+    if "network_def" in parser.config and weights.is_file():
+        try:
+            network = parser.get_parsed_content("network_def")
+        except Exception as exc:  # MONAI raises what the network's constructor raises
+            raise ImportRefusedError(f"{where}: field 'network_def' cannot be instantiated: {exc}") from exc
+        if not isinstance(network, nn.Module):
+            kind = type(network).__name__
+            raise ImportRefusedError(f"{where}: field 'network_def' is a {kind}, not a network")
+        load_weights(network, weights, str(root.name))
+        return network.eval()
+    if script.is_file():
+        return torch.jit.load(str(script), map_location="cpu").eval()  # type: ignore[no-untyped-call]
+    raise ImportRefusedError(f"{root}: neither 'network_def' with models/model.pt nor models/model.ts")
+
+
+def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str) -> WrittenModel:
+    """Import a MONAI bundle (folder or zip) into ``models_dir`` as ``NAME.yaml`` plus weights.
+
+    Raises:
+        ImportRefusedError: a missing config, or a transform, inferer or option that tilewise cannot
+            reproduce (named), or a network that cannot be built or loaded.
+        ExportError: the export lost parity with the eager network.
+    """
+    config_parser = _monai()
+    with _bundle_root(source) as root:
+        configs = root / "configs"
+        inference = next((configs / f"inference{s}" for s in (".json", ".yaml", ".yml")
+                          if (configs / f"inference{s}").is_file()), None)  # fmt: skip
+        if inference is None:
+            raise ImportRefusedError(f"{source}: no configs/inference.json or .yaml")
+        meta = json.loads((configs / "metadata.json").read_text(encoding="utf-8"))
+        parser = config_parser()
+        parser.read_meta(str(configs / "metadata.json"))
+        parser.read_config(str(inference))
+        parser["bundle_root"] = str(root)
+        where = f"{source} ({inference.name})"
+        inferer, inferer_args = _inferer(parser, where)
+        network = _network(parser, root, where)
+        fmt_in = meta.get("network_data_format", {})
+        image = fmt_in.get("inputs", {}).get("image", {})
+        pred = fmt_in.get("outputs", {}).get("pred", {})
+        roi = inferer_args.get("roi_size")
+        dims = len(roi) if isinstance(roi, list | tuple) else None
+        channels = int(image["num_channels"]) if "num_channels" in image else None
+        name = name or model_name(str(meta.get("name") or source.stem))
+        facts = probe_network(network, name=name, spatial_dims=dims, in_channels=channels)
+        dims = facts.spatial_dims
+        pre = _preprocessing(_transforms(parser, "preprocessing", where), dims, where)
+        output = _postprocessing(_transforms(parser, "postprocessing", where), where)
+        if "num_channels" in pred and int(pred["num_channels"]) != facts.out_channels:
+            raise ImportRefusedError(
+                f"{where}: metadata outputs.pred.num_channels={pred['num_channels']}, the network returns "
+                f"{facts.out_channels} channels"
+            )
+        roi_shape = [int(v) for v in _as_list(roi, dims)] if inferer == "SlidingWindowInferer" else None
+        tile = roi_shape or [96 if dims == 3 else 256] * dims
+        tile = [-(-t // facts.alignment) * facts.alignment for t in tile]
+        defaults: dict[str, Any] = {"tile": tile, "batch_size": int(inferer_args.get("sw_batch_size") or 1)}
+        if facts.tile_dependent:
+            overlap = float(inferer_args.get("overlap") or 0.0)
+            blend = str(inferer_args.get("mode") or "constant").lower()
+            defaults.update(halo=0, overlap=[int(round(t * overlap)) for t in tile], blend=blend)
+        else:
+            defaults.update(halo="auto", overlap=0, blend="constant")
+        models_dir.mkdir(parents=True, exist_ok=True)
+        weights = models_dir / f"{name}{FORMATS[fmt]}"
+        small = [max(facts.alignment, t // 2 // facts.alignment * facts.alignment) for t in tile]
+        diff = export_network(
+            network,
+            weights,
+            fmt=fmt,
+            in_channels=facts.in_channels,
+            core_shape=tile,
+            check_shapes=[small, [t + facts.alignment for t in tile]],
+            wrap=(lambda net: PadToShape(net, roi_shape)) if roi_shape else None,
+            name=name,
+        )
+    mapping: dict[str, Any] = {
+        "name": name,
+        "description": f"MONAI bundle {meta.get('name', source.name)} {meta.get('version', '')}".strip(),
+        "backend": fmt,
+        "spatial_dims": dims,
+        "in_channels": facts.in_channels,
+        "out_channels": facts.out_channels,
+        "alignment": facts.alignment,
+        "scale": facts.scale,
+        **({"receptive_field": list(facts.receptive_field)} if facts.receptive_field else {}),
+        "tile_dependent": facts.tile_dependent,
+        **{k: v for k, v in pre.items() if k != "preprocess"},
+        "preprocess": pre["preprocess"],
+        "output": output,
+        "defaults": defaults,
+    }
+    channel_def = pred.get("channel_def")
+    if isinstance(channel_def, dict) and channel_def:
+        mapping["labels"] = {int(k): str(v) for k, v in channel_def.items()}
+    comment = (
+        f"tilewise import-model {source.name} (MONAI bundle, {inferer})\n"
+        f"{fmt} parity with the eager network: max abs difference {diff:.2g}\n"
+        f"inputs smaller than roi_size {roi_shape} are zero-padded, centred, inside the exported network"
+    )
+    return write_model(mapping, weights, models_dir, comment)

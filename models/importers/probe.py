@@ -1,0 +1,210 @@
+"""Measure what a network file does not say: layout, channels, alignment, scale, reach, tile dependence.
+
+Shapes: ``C`` input channels, ``S`` spatial axes; every probe input is ``(1, C, *S)`` float32.
+
+1. **Layout**: the spatial dims and input channels come from the caller (an ONNX graph's input
+   shape, the first convolution of a TorchScript module) when it knows them; otherwise every
+   combination of 3, 2, 1 spatial axes and 1, 3, 2, 4 channels is tried, on a few base sizes, until
+   one runs and returns ``(1, C_out, *S')``. Output channels and ``scale = S' / S`` (an integer)
+   come from that run.
+2. **Alignment** (the smallest size divisor that works): per axis, the sizes ``base + d`` for
+   ``d = 1, 2, ...`` until one runs and returns exactly ``(base + d) * scale`` voxels; the spec's
+   single ``alignment`` is the lcm over the axes, checked once more at ``base + 2 * alignment``.
+3. **Receptive field**: the impulse probe of :mod:`models.receptive` on inputs long along one axis
+   and narrow on the others, grown while the response reaches the probe's edge (up to 96 voxels in
+   3-D, 1024 in 2-D); ``None`` when it never stops reaching the edge.
+4. **Tile dependence**: :func:`models.dependence.probe_tile_dependence` at a tile of about four
+   radii (or the largest probe).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.dependence import probe_tile_dependence
+from models.errors import ImportRefusedError
+from models.receptive import probe_input, probe_receptive_field
+
+__all__ = ["NetworkFacts", "probe_network"]
+
+logger = logging.getLogger(__name__)
+
+#: Base sizes tried per spatial dims (a network with a larger total stride needs a larger base).
+_BASES = {3: (32, 64, 128), 2: (64, 128, 256), 1: (256, 1024)}
+_CHANNELS = (1, 3, 2, 4)
+_FIRST_PROBE = {1: 1024, 2: 128, 3: 40}
+_MAX_PROBE = {1: 8192, 2: 1024, 3: 96}
+
+Run = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkFacts:
+    """What :func:`probe_network` measured.
+
+    Attributes:
+        spatial_dims: number of spatial axes.
+        in_channels: input channels.
+        out_channels: output channels.
+        alignment: smallest size divisor that works (lcm over the axes).
+        scale: output voxels per input voxel.
+        receptive_field: radius per axis (voxels), ``None`` when unbounded within the probes.
+        tile_dependent: the tile-dependence probe's verdict.
+        seconds: wall time of all probes.
+    """
+
+    spatial_dims: int
+    in_channels: int
+    out_channels: int
+    alignment: int
+    scale: int
+    receptive_field: tuple[int, ...] | None
+    tile_dependent: bool
+    seconds: float
+
+
+class _Net:
+    """A forward function with the metadata :func:`probe_receptive_field` reads."""
+
+    def __init__(self, run: Run, spatial_dims: int, in_channels: int, alignment: int, scale: int) -> None:
+        self.run = run
+        self.spatial_dims = spatial_dims
+        self.in_channels = in_channels
+        self.alignment = alignment
+        self.scale = scale
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.run(batch)
+
+
+def _output(run: Run, channels: int, shape: Sequence[int]) -> torch.Tensor | None:
+    """The output for a zero-free random input of ``shape``, or ``None`` when the network refuses it."""
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, channels, *shape)).astype(np.float32))
+    try:
+        with torch.inference_mode():
+            y = run(x)
+    except Exception as exc:  # any runtime refuses a wrong shape in its own way
+        logger.debug("probe %s: refused (%s)", tuple(shape), str(exc).splitlines()[0] if str(exc) else exc)
+        return None
+    if not isinstance(y, torch.Tensor) or y.ndim != len(shape) + 2 or y.shape[0] != 1:
+        return None
+    return y
+
+
+def _fits(run: Run, channels: int, shape: Sequence[int], scale: int) -> bool:
+    y = _output(run, channels, shape)
+    return y is not None and tuple(y.shape[2:]) == tuple(s * scale for s in shape)
+
+
+def _layout(
+    run: Run, name: str, spatial_dims: int | None, in_channels: int | None
+) -> tuple[int, int, int, int, int]:
+    """``(spatial_dims, in_channels, out_channels, scale, base)`` of the first layout that runs."""
+    for dims in (spatial_dims,) if spatial_dims else (3, 2, 1):
+        for channels in (in_channels,) if in_channels else _CHANNELS:
+            for base in _BASES[dims]:
+                y = _output(run, channels, (base,) * dims)
+                if y is None:
+                    continue
+                ratios = {s / base for s in y.shape[2:]}
+                scale = ratios.pop() if len(ratios) == 1 else None
+                if scale is None or scale < 1 or scale != int(scale):
+                    raise ImportRefusedError(
+                        f"{name}: output spatial shape {tuple(y.shape[2:])} for input {(base,) * dims} is "
+                        "not an integer multiple of the input (field 'scale' must be a positive integer)"
+                    )
+                return dims, channels, int(y.shape[1]), int(scale), base
+    tried = f"{spatial_dims or '1-3'} spatial dims, {in_channels or list(_CHANNELS)} channels"
+    raise ImportRefusedError(f"{name}: no input layout runs ({tried}): cannot tell spatial_dims, in_channels")
+
+
+def _alignment(run: Run, name: str, dims: int, channels: int, scale: int, base: int) -> int:
+    per_axis = []
+    for axis in range(dims):
+        for d in range(1, base + 1):
+            shape = [base + d if a == axis else base for a in range(dims)]
+            if _fits(run, channels, shape, scale):
+                per_axis.append(d)
+                break
+        else:
+            raise ImportRefusedError(f"{name}: no size from {base + 1} to {2 * base} works on axis {axis}")
+    alignment = math.lcm(*per_axis)
+    check = [base + 2 * alignment] * dims
+    if not _fits(run, channels, check, scale):
+        raise ImportRefusedError(f"{name}: alignment {alignment} measured, but size {check} fails")
+    return alignment
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _receptive_field(net: _Net) -> tuple[tuple[int, ...] | None, int]:
+    """Radius per axis (``None`` when unbounded) and the largest probe size used."""
+    dims, align = net.spatial_dims, net.alignment
+    size = _FIRST_PROBE[dims]
+    while True:
+        long = _round_up(size, align)
+        narrow = _round_up(min(size, max(32, 4 * align)), align)
+        radius, bounded = [], True
+        for axis in range(dims):
+            shape = [long if a == axis else narrow for a in range(dims)]
+            result = probe_receptive_field(net, base=probe_input(net, shape), batch_size=3, quiet=True)
+            radius.append(result.radius[axis])
+            bounded = bounded and result.radius[axis] < long // 2 - 1
+        if bounded:
+            return tuple(radius), long
+        if size >= _MAX_PROBE[dims]:
+            return None, long
+        size = min(2 * size, _MAX_PROBE[dims])
+
+
+def probe_network(
+    run: Run,
+    *,
+    name: str,
+    spatial_dims: int | None = None,
+    in_channels: int | None = None,
+) -> NetworkFacts:
+    """Measure layout, channels, alignment, scale, receptive field and tile dependence of ``run``.
+
+    Args:
+        run: the network's forward function, ``(1, C, *S)`` float32 tensor -> tensor.
+        name: the model's name for messages.
+        spatial_dims: known number of spatial axes (else tried).
+        in_channels: known input channels (else tried).
+
+    Raises:
+        ImportRefusedError: no layout runs, the output is not an integer multiple of the input, or
+            no size divisor works (the message names what was tried).
+    """
+    start = time.perf_counter()
+    dims, channels, out_channels, scale, base = _layout(run, name, spatial_dims, in_channels)
+    alignment = _alignment(run, name, dims, channels, scale, base)
+    net = _Net(run, dims, channels, alignment, scale)
+    radius, probe_size = _receptive_field(net)
+    tile = _round_up(max(4 * max(radius) + 8, base) if radius else probe_size, alignment)
+    tile = min(tile, _round_up(_MAX_PROBE[dims], alignment))
+    if scale == 1:
+        dependent = probe_tile_dependence(
+            run,
+            spatial_dims=dims,
+            in_channels=channels,
+            tile_shape=tile,
+            radius=radius if radius is not None and tile > 2 * max(radius) + 1 else None,
+            alignment=alignment,
+        ).tile_dependent
+    else:  # the dependence probe compares outputs voxel for voxel with the input
+        dependent = radius is None
+    facts = NetworkFacts(
+        dims, channels, out_channels, alignment, scale, radius, dependent, time.perf_counter() - start
+    )
+    logger.info("%s: probed %s", name, facts)
+    return facts

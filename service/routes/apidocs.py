@@ -1,0 +1,42 @@
+"""``GET /docs``: Swagger UI served from the installed ``swagger-ui-bundle`` package, not a CDN.
+
+On an air-gapped hospital network a CDN page stays blank. The page, its script, style sheet and
+icon all come from this server (``/static/swagger-ui/...``); the validator badge, which would call
+swagger.io, is switched off. ReDoc (CDN only) is not served.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+__all__ = ["STATIC_PREFIX", "install_docs"]
+
+#: Where Swagger UI's files are served.
+STATIC_PREFIX = "/static/swagger-ui"
+
+
+def install_docs(app: FastAPI, *, docs_url: str = "/docs") -> None:
+    """Serve Swagger UI at ``docs_url`` for ``app`` (created with ``docs_url=None``)."""
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount(STATIC_PREFIX, StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+    redirect_url = f"{docs_url}/oauth2-redirect"
+
+    @app.get(docs_url, include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{STATIC_PREFIX}/swagger-ui-bundle.js",
+            swagger_css_url=f"{STATIC_PREFIX}/swagger-ui.css",
+            swagger_favicon_url=f"{STATIC_PREFIX}/favicon-32x32.png",
+            oauth2_redirect_url=redirect_url,
+            swagger_ui_parameters={"validatorUrl": None},
+        )
+
+    @app.get(redirect_url, include_in_schema=False)
+    async def swagger_ui_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()

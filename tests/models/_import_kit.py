@@ -1,0 +1,202 @@
+"""Helpers of the import-model tests: optional packages (MONAI, nnU-Net) that CI must have."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+
+
+def need(module: str) -> ModuleType:
+    """Import ``module`` (of the ``import`` extra); skip locally without it, fail in CI (``CI`` set)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        reason = f"{module} is not installed (pip install -e '.[import]'): {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{reason} (CI is set: acceptance tests must not skip)", pytrace=False)
+        pytest.skip(reason)
+
+
+def write_monai_bundle(root, *, roi=(48, 48, 48), norm="batch", seed=0):
+    """A MONAI bundle as MONAI lays one out, with a random-weight ``monai.networks.nets.UNet``.
+
+    ``configs/metadata.json`` (channels, label names), ``configs/inference.json`` (Orientationd +
+    Spacingd + ScaleIntensityRanged, SlidingWindowInferer, softmax + argmax post-transforms) and
+    ``models/model.pt`` (the state dict; batch-norm statistics randomized so they matter).
+    Returns the network (eval mode).
+    """
+    import json
+
+    import torch
+
+    nets = need("monai.networks.nets")
+    torch.manual_seed(seed)
+    arch = {
+        "spatial_dims": 3,
+        "in_channels": 1,
+        "out_channels": 3,
+        "channels": [8, 16, 32],
+        "strides": [2, 2],
+    }
+    net = nets.UNet(**arch, num_res_units=1, norm=norm)
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm3d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 1.5)
+    (root / "configs").mkdir(parents=True, exist_ok=True)
+    (root / "models").mkdir(exist_ok=True)
+    torch.save(net.state_dict(), root / "models" / "model.pt")
+    labels = {"0": "background", "1": "grey matter", "2": "white matter"}
+    image = {
+        "type": "image",
+        "format": "magnitude",
+        "modality": "MR",
+        "num_channels": 1,
+        "dtype": "float32",
+        "spatial_shape": list(roi),
+        "value_range": [0, 1],
+        "is_patch_data": True,
+        "channel_def": {"0": "T1"},
+    }
+    pred = {
+        "type": "image",
+        "format": "segmentation",
+        "num_channels": 3,
+        "dtype": "float32",
+        "spatial_shape": list(roi),
+        "value_range": [0, 1],
+        "is_patch_data": True,
+        "channel_def": labels,
+    }
+    meta = {"version": "0.1.0", "name": "Tissue UNet", "monai_version": "1.6.1", "pytorch_version": "2.13.0",
+            "network_data_format": {"inputs": {"image": image}, "outputs": {"pred": pred}}}  # fmt: skip
+    key = "@image_key"
+    config = {
+        "imports": ["$import glob", "$import os"],
+        "bundle_root": ".",
+        "image_key": "image",
+        "output_dir": "$@bundle_root + '/eval'",
+        "device": "$torch.device('cpu')",
+        "network_def": {"_target_": "UNet", **arch, "num_res_units": 1, "norm": norm},
+        "network": "$@network_def.to(@device)",
+        "preprocessing": {"_target_": "Compose", "transforms": [
+            {"_target_": "LoadImaged", "keys": key},
+            {"_target_": "EnsureChannelFirstd", "keys": key},
+            {"_target_": "Orientationd", "keys": key, "axcodes": "RAS"},
+            {"_target_": "Spacingd", "keys": key, "pixdim": [1.0, 1.0, 1.0], "mode": "bilinear"},
+            {"_target_": "ScaleIntensityRanged", "keys": key, "a_min": 0, "a_max": 100, "b_min": 0.0,
+             "b_max": 1.0, "clip": True},
+            {"_target_": "EnsureTyped", "keys": key},
+        ]},
+        "inferer": {"_target_": "SlidingWindowInferer", "roi_size": list(roi), "sw_batch_size": 2,
+                    "overlap": 0.25, "mode": "gaussian"},
+        "postprocessing": {"_target_": "Compose", "transforms": [
+            {"_target_": "Activationsd", "keys": "pred", "softmax": True},
+            {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": key,
+             "nearest_interp": False, "to_tensor": True},
+            {"_target_": "AsDiscreted", "keys": "pred", "argmax": True},
+            {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "resample": False},
+        ]},
+    }  # fmt: skip
+    (root / "configs" / "metadata.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    (root / "configs" / "inference.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return net.eval()
+
+
+def nnunet_plans(
+    *, normalization: str = "CTNormalization", patch=(32, 48, 48), reader: str = "SimpleITKIO"
+) -> dict:
+    """A 3d_fullres ``plans.json`` in nnU-Net v2's own format (anisotropic strides: alignment 4, 8, 8)."""
+    strides = [[1, 1, 1], [1, 2, 2], [2, 2, 2], [2, 2, 2]]
+    arch = {
+        "network_class_name": "dynamic_network_architectures.architectures.unet.PlainConvUNet",
+        "arch_kwargs": {
+            "n_stages": 4, "features_per_stage": [8, 16, 32, 32], "conv_op": "torch.nn.modules.conv.Conv3d",
+            "kernel_sizes": [[1, 3, 3], [3, 3, 3], [3, 3, 3], [3, 3, 3]], "strides": strides,
+            "n_conv_per_stage": [2, 2, 2, 2], "n_conv_per_stage_decoder": [2, 2, 2], "conv_bias": True,
+            "norm_op": "torch.nn.modules.instancenorm.InstanceNorm3d",
+            "norm_op_kwargs": {"eps": 1e-05, "affine": True}, "dropout_op": None, "dropout_op_kwargs": None,
+            "nonlin": "torch.nn.LeakyReLU", "nonlin_kwargs": {"inplace": True},
+        },
+        "_kw_requires_import": ["conv_op", "norm_op", "dropout_op", "nonlin"],
+    }  # fmt: skip
+    resampling = {"is_seg": False, "order": 3, "order_z": 0, "force_separate_z": None}
+    config = {
+        "data_identifier": "nnUNetPlans_3d_fullres", "preprocessor_name": "DefaultPreprocessor",
+        "batch_size": 2,
+        "patch_size": list(patch), "median_image_size_in_voxels": [64, 96, 96], "spacing": [2.0, 1.0, 1.0],
+        "normalization_schemes": [normalization], "use_mask_for_norm": [False],
+        "resampling_fn_data": "resample_data_or_seg_to_shape", "resampling_fn_data_kwargs": resampling,
+        "resampling_fn_seg": "resample_data_or_seg_to_shape",
+        "resampling_fn_seg_kwargs": {**resampling, "is_seg": True, "order": 1},
+        "resampling_fn_probabilities": "resample_data_or_seg_to_shape",
+        "resampling_fn_probabilities_kwargs": {**resampling, "order": 1},
+        "architecture": arch, "batch_dice": True,
+    }  # fmt: skip
+    return {
+        "dataset_name": "Dataset042_Toy", "plans_name": "nnUNetPlans",
+        "original_median_spacing_after_transp": [2.0, 1.0, 1.0],
+        "original_median_shape_after_transp": [64, 96, 96], "image_reader_writer": reader,
+        "transpose_forward": [0, 1, 2], "transpose_backward": [0, 1, 2],
+        "configurations": {"3d_fullres": config}, "experiment_planner_used": "ExperimentPlanner",
+        "label_manager": "LabelManager",
+        "foreground_intensity_properties_per_channel": {"0": {
+            "max": 3000.0, "mean": 100.0, "median": 90.0, "min": -1000.0, "percentile_00_5": -900.0,
+            "percentile_99_5": 1200.0, "std": 250.0}},
+    }  # fmt: skip
+
+
+NNUNET_DATASET = {
+    "channel_names": {"0": "CT"},
+    "labels": {"background": 0, "liver": 1, "tumour": 2},
+    "numTraining": 10,
+    "file_ending": ".nii.gz",
+}
+
+
+def write_nnunet_folder(root, *, plans=None, dataset=None, folds=(0, 1), mirror_axes=(0, 1, 2)):
+    """An nnU-Net v2 trained-model folder: ``dataset.json``, ``plans.json``, ``fold_*/checkpoint_final.pth``.
+
+    Each fold holds random weights (nnU-Net's own initialization, a seed per fold) of the network that
+    nnU-Net builds from the plans, saved in the checkpoint layout of ``nnUNetTrainer.save_checkpoint``.
+    Returns the folder (``Dataset042_Toy/nnUNetTrainer__nnUNetPlans__3d_fullres``).
+    """
+    import json
+
+    import numpy as np
+    import torch
+
+    need("nnunetv2")
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+    plans = plans or nnunet_plans()
+    dataset = dataset or NNUNET_DATASET
+    folder = root / "Dataset042_Toy" / "nnUNetTrainer__nnUNetPlans__3d_fullres"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "plans.json").write_text(json.dumps(plans, indent=1), encoding="utf-8")
+    (folder / "dataset.json").write_text(json.dumps(dataset, indent=1), encoding="utf-8")
+    arch = plans["configurations"]["3d_fullres"]["architecture"]
+    for fold in folds:
+        torch.manual_seed(fold)
+        net = get_network_from_plans(
+            arch["network_class_name"], arch["arch_kwargs"], arch["_kw_requires_import"],
+            len(dataset["channel_names"]), len(dataset["labels"]), allow_init=True, deep_supervision=False,
+        )  # fmt: skip
+        checkpoint = {
+            "network_weights": net.state_dict(),
+            "optimizer_state": {},
+            "grad_scaler_state": None,
+            "logging": {"mean_fg_dice": [np.float64(0.5)], "ema_fg_dice": [np.float64(0.5)]},
+            "_best_ema": np.float64(0.5),
+            "current_epoch": 1000,
+            "init_args": {"plans": plans, "configuration": "3d_fullres", "fold": fold,
+                          "dataset_json": dataset, "device": torch.device("cpu")},
+            "trainer_name": "nnUNetTrainer",
+            "inference_allowed_mirroring_axes": mirror_axes,
+        }  # fmt: skip
+        (folder / f"fold_{fold}").mkdir(exist_ok=True)
+        torch.save(checkpoint, folder / f"fold_{fold}" / "checkpoint_final.pth")
+    return folder
