@@ -50,6 +50,7 @@ class Mode:
     prefetch_tile: int = 96
     prefetch_halo: int = 12
     prefetch_threads: int = 1  # network threads: on 2 cores, one is left for the reading thread
+    prefetch_sleep_s: float = 0.2  # the simulated accelerator's time per tile (holds no CPU)
 
 
 FULL = Mode(
@@ -103,6 +104,7 @@ QUICK = Mode(
     prefetch_spacing_mm=2.5,
     prefetch_tile=48,
     prefetch_halo=6,
+    prefetch_sleep_s=0.01,
 )
 
 

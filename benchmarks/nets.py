@@ -52,6 +52,20 @@ class BoxNet:
         return torch.cat([F.avg_pool3d(x, 3, stride=1, padding=1), x], dim=1)
 
 
+class SleepyBoxNet(BoxNet):
+    """``box-3d`` plus a fixed wait per tile that holds no CPU: a stand-in for an accelerator, whose
+    network time leaves the host's cores free for the reading thread."""
+
+    def __init__(self, seconds_per_tile: float) -> None:
+        self.seconds_per_tile = seconds_per_tile
+
+    def __call__(self, x: Any) -> Any:
+        import time
+
+        time.sleep(self.seconds_per_tile * int(x.shape[0]))
+        return super().__call__(x)
+
+
 def build_predictor(name: str, job: dict[str, Any]) -> tuple[Counted, dict[str, Any]]:
     """Predictor and metadata (``alignment``, ``out_channels``, ``spatial_dims``) by model name."""
     if name in ("unet-batch", "unet-instance"):
@@ -64,6 +78,9 @@ def build_predictor(name: str, job: dict[str, Any]) -> tuple[Counted, dict[str, 
         return Counted(net, spatial_dims=3, in_channels=1, alignment=1), {"out_channels": 1}
     if name == "box-3d":
         return Counted(BoxNet(), spatial_dims=3, in_channels=1, alignment=1), {"out_channels": 2}
+    if name == "box-3d-sleep":
+        net = SleepyBoxNet(float(job.get("seconds_per_tile", 0.1)))
+        return Counted(net, spatial_dims=3, in_channels=1, alignment=1), {"out_channels": 2}
     if name == TEXT_DET:
         spec, predictor = load_text_det(Path(job["models_dir"]))
         return Counted(predictor, spatial_dims=2, in_channels=3, alignment=int(spec.alignment)), {

@@ -165,7 +165,7 @@ def ratios(rows: Sequence[Row]) -> list[dict[str, Any]]:
             add(f"3d-batch: time, tilewise / MONAI {mode}", tw, mo, detail=detail)
     add("shallow: time, tilewise (default plan) / whole volume", find_row(rows, "shallow", "tilewise"),
         find_row(rows, "shallow", "whole"))  # fmt: skip
-    for source in ("npy memmap", "nii.gz"):
+    for source in ("npy memmap", "nii.gz", "nii.gz, simulated accelerator"):
         on = find_row(rows, "prefetch", f"{source}: tilewise prefetch on")
         off = find_row(rows, "prefetch", f"{source}: tilewise prefetch off")
         read = find_row(rows, "prefetch", f"{source}: read and pad only")

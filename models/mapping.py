@@ -50,7 +50,7 @@ from models.spec import ModelSpec
 if TYPE_CHECKING:
     from models.model import Model
     from models.plan import RunPlan
-    from tiling import SeamStats
+    from tiling import Resume, SeamStats
 
 __all__ = [
     "FOREGROUND_LEVEL",
@@ -279,6 +279,7 @@ def run_mapped(
     params: InferenceParams | None = None,
     *,
     check: Callable[[RunPlan, int], None] | None = None,
+    start: Callable[[RunPlan], tuple[Any, Resume]] | None = None,
     progress: bool | Callable[[int], object] = False,
     should_stop: Callable[[], bool] | None = None,
 ) -> MappedRun:
@@ -294,6 +295,9 @@ def run_mapped(
         params: the request's parameters (``spacing=native``: no resampling).
         check: called with the plan and the bytes the mapping and the seam meter add
             (:meth:`GridMapping.extra_bytes`) before the network sees a tile (the server's budget).
+        start: called with the plan the network runs (on the model grid: its ``output`` is
+            ``probabilities`` when the mapping resamples) for the ``out`` array and the
+            :class:`tiling.Resume` that continue a stopped run (a job's checkpoint).
         progress, should_stop: as :meth:`Model.execute`.
 
     Raises:
@@ -313,11 +317,13 @@ def run_mapped(
             grid = plan.grid
             extra += 4 * (spec.out_channels + 1) * grid.out_tile_shape[0] * math.prod(grid.out_shape[1:])
         check(plan, extra)
-    run = {"progress": progress, "should_stop": should_stop, "seam": seam}
+    executed = plan if mapping.is_identity else dataclasses.replace(plan, output=OutputKind.PROBABILITIES)
+    out, resume = start(executed) if start is not None else (None, None)
+    pred = model.execute(
+        x, executed, out=out, resume=resume, progress=progress, should_stop=should_stop, seam=seam
+    )
     if mapping.is_identity:
-        return MappedRun(model.execute(x, plan, **run), plan, mapping, seam)
-    probabilities = dataclasses.replace(plan, output=OutputKind.PROBABILITIES)
-    pred = model.execute(x, probabilities, **run)
+        return MappedRun(pred, plan, mapping, seam)
     del x
     if plan.output == OutputKind.LABELS:
         result: npt.NDArray[Any] = mapping.labels(pred)

@@ -26,8 +26,9 @@ from models.plan import RunPlan
 from models.preprocess import make_reduce, preprocess
 from models.receptive import HaloCalibration
 from models.spec import Backend, ModelSpec
-from tiling import SeamStats, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile, round_up
+from tiling import Resume, SeamStats, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
 from tiling.geometry import as_ints
+from tiling.plan import round_up
 
 __all__ = ["Model"]
 
@@ -230,6 +231,7 @@ class Model:
         out: npt.NDArray[Any] | None = None,
         progress: bool | Callable[[int], object] = False,
         should_stop: Callable[[], bool] | None = None,
+        resume: Resume | None = None,
         seam: SeamStats | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
@@ -246,7 +248,9 @@ class Model:
             over channels; ``p > 0.5`` for one channel); ``out`` when given.
 
         ``progress`` (a bar, or a callback of each batch's tile count) and ``should_stop`` (asked
-        before every batch) are :func:`tiling.tiled_inference`'s.
+        before every batch) are :func:`tiling.tiled_inference`'s; so is ``resume`` (with ``out``, a
+        run that continues one stopped at a finished tile row), which a ``tta=mirror`` plan ignores:
+        its passes are averaged in memory, so it always runs whole.
 
         Raises:
             InputError: ``x`` is not the image the plan was made for.
@@ -264,7 +268,7 @@ class Model:
         if len(plan.flips) == 1:
             target = out[None] if out is not None and labels else out
             reduce = make_reduce(spec.activation, plan.output.value)
-            result = self._tiled(x, plan, reduce, target, progress, should_stop, seam)
+            result = self._tiled(x, plan, reduce, target, progress, should_stop, resume, seam)
         else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
             logits = spec.output.tta_average == "logits"
             per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
@@ -272,7 +276,7 @@ class Model:
             for axes in plan.flips:
                 dims = tuple(1 + a for a in axes)
                 flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-                y = self._tiled(flipped, plan, per_pass, None, progress, should_stop, seam)
+                y = self._tiled(flipped, plan, per_pass, None, progress, should_stop, None, seam)
                 y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
                 total = y.copy() if total is None else total + y
             assert total is not None
@@ -315,6 +319,7 @@ class Model:
         out: Any,
         progress: bool | Callable[[int], object],
         should_stop: Callable[[], bool] | None = None,
+        resume: Resume | None = None,
         seam: SeamStats | None = None,
     ) -> npt.NDArray[Any]:
         """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
@@ -342,6 +347,7 @@ class Model:
                     progress=progress,
                     fixed_tile_shape=plan.grid.fixed_tile_shape,
                     should_stop=should_stop,
+                    resume=resume,
                     seam=seam,
                 )
             finally:

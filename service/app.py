@@ -9,8 +9,10 @@ before the server accepts requests; then starts the device executor. Run it with
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,6 +22,7 @@ from service.asgi import DrainMiddleware, HeadMiddleware, HeadSizeMiddleware
 from service.codecs import configure_pillow
 from service.executor import DeviceExecutor
 from service.http_errors import error_response, install_error_handlers, plain_error_response
+from service.jobs import JobService, JobStore
 from service.memory import release_free_memory
 from service.metrics import Metrics
 from service.requestid import RequestIdMiddleware
@@ -62,6 +65,14 @@ def _load_repository(settings: Settings) -> Any:
     return repository
 
 
+def _open_jobs(settings: Settings, executor: DeviceExecutor, app: FastAPI, metrics: Metrics) -> JobService:
+    """The jobs of this process, in ``TILEWISE_JOBS_DIR`` (runs in a worker thread)."""
+    root = settings.jobs_dir or Path(settings.tmp_dir or tempfile.gettempdir()) / "tilewise-jobs"
+    store = JobStore(root)
+    metrics.jobs_active.set_function(lambda: len(store.active()))
+    return JobService(store, executor, lambda: app.state.repository, metrics, settings)
+
+
 def create_app(settings: Settings | None = None, *, repository: Any = None) -> FastAPI:
     """Build the tilewise HTTP application.
 
@@ -92,6 +103,9 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         app.state.repository = repo
         app.state.executor = executor
         app.state.device = device
+        jobs = await anyio.to_thread.run_sync(_open_jobs, settings, executor, app, metrics)
+        jobs.start()
+        app.state.jobs = jobs
         app.state.ready = True
         logger.info(
             "tilewise ready: device=%s queue_size=%d max_upload_bytes=%d max_voxels=%d api_key=%s",
@@ -107,8 +121,10 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
             app.state.ready = False
             for stop in list(app.state.stops):  # a running job stops at its next batch
                 stop.set()
+            jobs.stop_all()  # a running job stops too; another replica takes it over
             executor.shutdown(wait=False)  # queued jobs are cancelled
             await anyio.to_thread.run_sync(executor.join, 30.0)
+            await anyio.to_thread.run_sync(jobs.close)  # leases of jobs still held are released
             await anyio.to_thread.run_sync(app.state.workroot.close)
             logger.info("tilewise stopped")
 

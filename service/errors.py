@@ -15,6 +15,9 @@ Hierarchy (each class also inherits the builtin it refines, so ``except ValueErr
       UploadTimeoutError(ServiceError)                   the body arrives too slowly (408)
       QueueFullError(ServiceError)                       the device queue is full (Retry-After)
       NotReadyError(ServiceError)                        models loading / shutting down
+      JobNotFoundError(ServiceError, LookupError)        no job of this id (or it expired)
+      JobStateError(ServiceError)                        e.g. the result of a job not done (409)
+        IdempotencyKeyReusedError                        an Idempotency-Key sent with another request
 
 This module imports nothing but the standard library. The HTTP status and error code of every
 exception (these and the foreign ``models.errors``, ``tiling.errors``) are in ONE table,
@@ -28,6 +31,9 @@ __all__ = [
     "BadParameterError",
     "DecodeError",
     "EmptyBodyError",
+    "IdempotencyKeyReusedError",
+    "JobNotFoundError",
+    "JobStateError",
     "MemoryBudgetError",
     "NotReadyError",
     "OverBudgetError",
@@ -94,3 +100,15 @@ class QueueFullError(ServiceError):
 
 class NotReadyError(ServiceError):
     """The models are not loaded yet, or the server is shutting down."""
+
+
+class JobNotFoundError(ServiceError, LookupError):
+    """No job of this id: never submitted, malformed, or removed after ``TILEWISE_JOB_TTL_S``."""
+
+
+class JobStateError(ServiceError):
+    """The job is not in a state that allows this, e.g. its result before it is done."""
+
+
+class IdempotencyKeyReusedError(JobStateError):
+    """An ``Idempotency-Key`` already names a job with another model or other parameters."""

@@ -4,6 +4,13 @@ Names follow DESIGN.md: ``tilewise_requests_total{model,status}``,
 ``tilewise_request_seconds{model}``, ``tilewise_tiles_total{model}``, ``tilewise_queue_depth``,
 ``tilewise_bytes_in_total`` and ``tilewise_bytes_out_total``; plus
 ``tilewise_inference_seconds{model,backend}`` (STYLE.md), the device time of each inference.
+Jobs (:mod:`service.jobs`): ``tilewise_jobs_total{state}`` (jobs that entered each state on this
+replica: ``queued`` when submitted here or taken over, ``running`` at each start, and the three
+final states), ``tilewise_jobs_active`` (unfinished jobs in the shared folder: the same on every
+replica), ``tilewise_job_tiles_computed_total{model}`` and ``tilewise_job_tiles_resumed_total{model}``
+(tiles a run skipped because an earlier run of the job had finished them), and
+``tilewise_job_takeovers_total`` (jobs this replica took from one that died or stopped). Jobs'
+tiles count in ``tilewise_tiles_total`` too.
 No per-request labels: ``model`` is a known model name or ``"unknown"``.
 """
 
@@ -53,6 +60,32 @@ class Metrics:
         )
         self.bytes_in = Counter("tilewise_bytes_in", "Request body bytes received.", registry=self.registry)
         self.bytes_out = Counter("tilewise_bytes_out", "Response file bytes sent.", registry=self.registry)
+        self.jobs = Counter(
+            "tilewise_jobs",
+            "Jobs that entered each state on this replica.",
+            ["state"],
+            registry=self.registry,
+        )
+        self.jobs_active = Gauge(
+            "tilewise_jobs_active", "Unfinished jobs in the shared jobs folder.", registry=self.registry
+        )
+        self.job_tiles_computed = Counter(
+            "tilewise_job_tiles_computed",
+            "Tiles computed for jobs, by model.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.job_tiles_resumed = Counter(
+            "tilewise_job_tiles_resumed",
+            "Tiles of resumed jobs that were not computed again (finished by an earlier run), by model.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.job_takeovers = Counter(
+            "tilewise_job_takeovers",
+            "Jobs this replica took over from a replica that died or stopped.",
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""

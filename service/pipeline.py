@@ -1,17 +1,18 @@
 """The one orchestration of a request: decode, fit, map to the model grid, preprocess, plan, tiled
 run, map back, postprocess, encode.
 
-The server (in its executor thread) and ``tilewise infer`` both call :func:`run_file`, so their
-outputs are identical for the same file and parameters. The :class:`~models.RunPlan` is made once,
-on the preprocessed image, before the run; the result carries it to the metrics
-(``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``, and ``X-Tilewise-Seam`` when the
-model reports its seam). Nothing plans again after a run.
+The server (in its executor thread, for a request or a job) and ``tilewise infer`` all call
+:func:`run_file`, so their outputs are identical for the same file and parameters. The
+:class:`~models.RunPlan` is made once, on the preprocessed image, before the run; the result
+carries it to the metrics (``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``, and
+``X-Tilewise-Seam`` when the model reports its seam). Nothing plans again after a run.
 
 Geometry (:mod:`models.mapping`): a NIfTI is reoriented to the spec's ``orientation`` and resampled
 to its ``spacing`` (or its ``frame``) before preprocessing, and the output comes back on the input's
 exact grid, header and affine (labels as the argmax of probabilities resampled back, slab by slab).
 ``spacing=native`` skips the resampling. 2D images (PNG, JPEG, TIFF) carry no affine and no pixel
-size: they always run on their own grid, as ``spacing=native``.
+size: they always run on their own grid, as ``spacing=native``. A job's checkpoint holds the
+network's output on the model grid.
 
 Layout rules (DESIGN.md "Interfaces in detail"): a 2D image ``(C, H, W)`` goes to 2D models; a
 NIfTI ``(C, X, Y, Z)`` goes to 3D models, and also to 2D models when ``Z == 1`` (a single slice),
@@ -28,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -39,10 +40,11 @@ if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
     from models.mapping import MappedRun
     from service.budget import Budget
-    from tiling import SeamStats
+    from tiling import Resume, SeamStats
 
 __all__ = [
     "MEDIA_TYPES",
+    "Checkpoint",
     "InferenceResult",
     "Limits",
     "check_input",
@@ -83,15 +85,24 @@ class Limits:
 
     @classmethod
     def from_settings(cls, settings: Any) -> Limits:
-        """The limits of :class:`~service.settings.Settings` (decompressed bytes: the upload limit)."""
+        """The limits of :class:`~service.settings.Settings` (decompressed bytes:
+        ``max_decoded_bytes``, else the request memory budget)."""
         from service.budget import Budget
 
         return cls(
             settings.max_voxels,
             settings.max_image_pixels,
-            settings.max_upload_bytes,
+            settings.max_decoded_bytes or settings.max_request_bytes,
             Budget.from_settings(settings),
         )
+
+
+class Checkpoint(Protocol):
+    """Where a resumable run keeps its output (a job's memmap, :mod:`service.jobs.checkpoint`)."""
+
+    def start(self, plan: RunPlan, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[Any, Resume]:
+        """The ``out`` array of ``shape`` and ``dtype`` for ``plan`` (holding the rows a stopped run
+        of the same plan finished) and the :class:`tiling.Resume` that continues from them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,12 +233,15 @@ def run_volume(
     budget: Budget | None = None,
     should_stop: Callable[[], bool] | None = None,
     progress: bool | Callable[[int], object] = False,
+    checkpoint: Checkpoint | None = None,
 ) -> MappedRun:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
     The plan is checked against ``budget`` before the network sees a tile; ``should_stop`` is
     asked before every batch (the run ends with :class:`tiling.RunCancelledError`); ``progress``
-    shows a bar of tiles on stderr, or is called with each batch's tile count.
+    shows a bar of tiles on stderr, or is called with each batch's tile count. With a
+    ``checkpoint`` the network's output goes to its array, and a run of the same plan that stopped
+    continues from its last finished tile row.
 
     Returns:
         The :class:`~models.mapping.MappedRun`: its ``result`` is uint8 ``(*spatial)`` labels or
@@ -244,8 +258,19 @@ def run_volume(
             held = volume.data.nbytes + extra_bytes
             budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=held)
 
+    def start(plan: RunPlan) -> tuple[Any, Resume]:
+        assert checkpoint is not None
+        return checkpoint.start(plan, *_output_layout(spec, plan))
+
     run = run_mapped(
-        model, data, volume.affine, params, check=check, progress=progress, should_stop=should_stop
+        model,
+        data,
+        volume.affine,
+        params,
+        check=check,
+        start=start if checkpoint is not None else None,
+        progress=progress,
+        should_stop=should_stop,
     )
     result = np.asarray(run.result)
     if dropped:
@@ -257,6 +282,15 @@ def run_volume(
     return dataclasses.replace(run, result=result)
 
 
+def _output_layout(spec: Any, plan: RunPlan) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """Shape and dtype of :meth:`models.Model.execute`'s result for ``plan``."""
+    spatial = tuple(plan.grid.out_shape)
+    if plan.output == "labels":
+        return spatial, np.dtype(np.uint8)
+    dtype = np.float16 if spec.output_dtype == "float16" else np.float32
+    return (int(spec.out_channels), *spatial), np.dtype(dtype)
+
+
 def run_file(
     model: Model,
     source: Path,
@@ -266,6 +300,7 @@ def run_file(
     limits: Limits | None = None,
     should_stop: Callable[[], bool] | None = None,
     progress: bool | Callable[[int], object] = False,
+    checkpoint: Checkpoint | None = None,
 ) -> InferenceResult:
     """Check ``source``'s header, decode it, run ``model``, write the output next to ``target_stem``.
 
@@ -279,6 +314,7 @@ def run_file(
         should_stop: asked before every batch; true stops the run (``tiling.RunCancelledError``).
         progress: show a progress bar of tiles on stderr, or a callable called with each
             batch's tile count (the server's ``tilewise_tiles_total``).
+        checkpoint: keeps the network's output on disk so that a stopped run resumes (jobs).
     """
     started = time.perf_counter()
     limits = limits or Limits()
@@ -292,7 +328,15 @@ def run_file(
     )
     output_kind = str(params.output or spec.defaults.output)
     fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
-    run = run_volume(model, volume, params, budget=limits.budget, should_stop=should_stop, progress=progress)
+    run = run_volume(
+        model,
+        volume,
+        params,
+        budget=limits.budget,
+        should_stop=should_stop,
+        progress=progress,
+        checkpoint=checkpoint,
+    )
     array, plan = run.result, run.plan
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
     encode(volume, array, fmt, path)

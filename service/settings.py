@@ -21,6 +21,8 @@ Variable                          Meaning
 ``TILEWISE_MAX_WORK``             most voxels through the network per input voxel (422 beyond; default 64)
 ``TILEWISE_MAX_REQUEST_BYTES``    most memory one request's plan may predict (413 beyond; default: half
                                   the memory of the machine or container)
+``TILEWISE_MAX_DECODED_BYTES``    bytes an input may declare once decompressed, from its header (413
+                                  beyond; default: ``TILEWISE_MAX_REQUEST_BYTES``)
 ``TILEWISE_MAX_UPLOADS``          uploads in progress at once (503 beyond; default 16); an upload
                                   takes an inference slot only once its body has arrived
 ``TILEWISE_UPLOAD_MIN_RATE``      bytes/s an upload must average after the grace period (408 below;
@@ -29,6 +31,13 @@ Variable                          Meaning
 ``TILEWISE_UPLOAD_IDLE_S``        seconds an upload may send nothing (408 beyond; default 30)
 ``TILEWISE_MAX_HEADER_BYTES``     request line plus headers, bytes (414 / 431 beyond; default 32768;
                                   ``tilewise serve`` only)
+``TILEWISE_JOBS_DIR``             folder of the jobs (state, input, partial output, result); share it
+                                  between replicas (default: ``tilewise-jobs`` in the temporary folder)
+``TILEWISE_JOB_TTL_S``            seconds a finished job (and its result) is kept (default 86400)
+``TILEWISE_JOB_LEASE_S``          a job's lease expires this long after its owner's last renewal
+                                  (renewed every third of it); then another replica takes the job over
+                                  (default 30; at once when the owner's process is gone, same host)
+``TILEWISE_JOB_SCAN_S``           seconds between two looks for jobs to take over (default 1)
 ================================  ===========================================================================
 
 ``tilewise serve`` has an option for each (``--api-key``, ``--queue-size`` ...); an option wins
@@ -82,11 +91,16 @@ class Settings(BaseSettings):
     max_tiles: int = Field(default=65536, ge=1)
     max_work: float = Field(default=64.0, gt=0)
     max_request_bytes: int = Field(default_factory=lambda: memory_limit_bytes() // 2, ge=1)
+    max_decoded_bytes: int | None = Field(default=None, ge=1)
     max_uploads: int = Field(default=16, ge=1)
     upload_min_rate: int = Field(default=16384, ge=0)
     upload_grace_s: float = Field(default=10.0, ge=0)
     upload_idle_s: float = Field(default=30.0, gt=0)
     max_header_bytes: int = Field(default=32768, ge=1024)
+    jobs_dir: Path | None = None
+    job_ttl_s: float = Field(default=86400.0, gt=0)
+    job_lease_s: float = Field(default=30.0, gt=0)
+    job_scan_s: float = Field(default=1.0, gt=0)
 
     @field_validator("device", mode="before")
     @classmethod

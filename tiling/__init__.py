@@ -28,6 +28,7 @@ from tiling.plan import (
     fits_one_tile,
     round_up,
 )
+from tiling.resume import Resume, ResumePoint, resume_point
 from tiling.seam import SeamStats
 from tiling.windows import pad_to_fit, sample_windows, sliding_windows
 
@@ -39,6 +40,8 @@ __all__ = [
     "CoverageError",
     "GridError",
     "PaddingMode",
+    "Resume",
+    "ResumePoint",
     "RunCancelledError",
     "SeamStats",
     "ShapeMismatchError",
@@ -51,6 +54,7 @@ __all__ = [
     "context_halo",
     "fits_one_tile",
     "pad_to_fit",
+    "resume_point",
     "round_up",
     "sample_windows",
     "sliding_windows",

@@ -43,6 +43,8 @@ class SlabAccumulator:
         coverages: Sequence[npt.NDArray[np.float32] | None],
         device: torch.device,
         rows: int = 0,
+        *,
+        origin: int = 0,
     ) -> None:
         self.channels = channels
         self.out_shape = tuple(out_shape)
@@ -51,7 +53,7 @@ class SlabAccumulator:
             None if c is None else torch.from_numpy(np.asarray(c, dtype=np.float32)).to(device)
             for c in coverages
         ]
-        self._lo = 0  # output row held in buffer row self._off
+        self._lo = origin  # output row held in buffer row self._off
         self._off = 0
         self._rows = 0  # rows held from self._off; buffer rows from self._off + self._rows on are zero
         self._buf = torch.zeros((channels, rows, *self.out_shape[1:]), dtype=torch.float32, device=device)

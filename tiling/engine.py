@@ -17,6 +17,7 @@ from tiling.execute import Batch, Staged, TileReader, Transfers
 from tiling.geometry import PaddingMode, parse_enum
 from tiling.grid import TileGrid
 from tiling.merge import Merger, Reducer, make_merger
+from tiling.resume import Resume, RowTracker, resume_point
 from tiling.seam import SeamMeter, SeamStats
 from tiling.sink import Sink
 
@@ -47,6 +48,7 @@ def tiled_inference(
     fixed_tile_shape: bool = False,
     prefetch: bool = True,
     should_stop: Callable[[], bool] | None = None,
+    resume: Resume | None = None,
     seam: SeamStats | None = None,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
@@ -92,9 +94,14 @@ def tiled_inference(
         should_stop: called before each batch is predicted; when it returns true the run stops
             there with :class:`~tiling.errors.RunCancelledError` (e.g. the client went away). It
             must be cheap and thread-safe (``threading.Event.is_set``).
+        resume: continue a run whose output rows are partly final in ``out`` (see
+            :mod:`tiling.resume`): the tile rows before ``resume.rows_done`` (along axis 0) are
+            neither run nor written, and ``resume.on_rows`` hears of every row that becomes final.
+            Needs a ``(C, *spatial)`` (non-torch) input and ``out``.
         seam: a :class:`~tiling.seam.SeamStats` that receives the disagreement between overlapping
             tiles' predictions where they overlap, measured during the run (see
-            :mod:`tiling.seam`; memory about that of the slab merger again). ``None``: not measured.
+            :mod:`tiling.seam`; memory about that of the slab merger again; a resumed run measures
+            the tiles it runs). ``None``: not measured.
 
     Returns:
         ``(C_out or C_red, *ceil(spatial * scale))`` of the input's array type (numpy for numpy,
@@ -113,6 +120,8 @@ def tiled_inference(
     is_torch = isinstance(inputs, torch.Tensor)
     shape = tuple(int(s) for s in inputs.shape)
     lead = 2 if is_torch else 1
+    if resume is not None and (is_torch or out is None):
+        raise GridError("resume needs a (C, *spatial) numpy or array-like input and an out array")
     _check_layout(shape, is_torch, tile_shape=tile_shape, halo=halo, overlap=overlap, alignment=alignment,
                   scale=scale)  # fmt: skip
     grid = TileGrid.plan(
@@ -132,15 +141,18 @@ def tiled_inference(
     )  # fmt: skip
     try:
         if not is_torch:
-            sink = Sink(out, grid.out_shape, like="numpy")
+            resume = resume or Resume()
+            start = resume_point(grid, resume.rows_done, int(batch_size))
+            sink = Sink(out, grid.out_shape, like="numpy", floor=start.floor)
+            rows = RowTracker(grid, start.rows_done, resume.on_rows, sink.flush)
             _run_one(inputs, grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar, should_stop, seam)  # fmt: skip
+                     prefetch, bar, should_stop, start.first_tile, start.origin, rows, seam)  # fmt: skip
             return sink.result()
         results = []
         for n in range(shape[0]):
             sink = Sink(None if out is None else out[n], grid.out_shape, like="torch", device=acc_device)
             _run_one(inputs[n], grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar, should_stop, seam)  # fmt: skip
+                     prefetch, bar, should_stop, seam=seam)  # fmt: skip
             results.append(sink.result())
         return out if out is not None else torch.stack(results)
     finally:
@@ -195,19 +207,23 @@ def _run_one(
     prefetch: bool,
     bar: Any,
     should_stop: Callable[[], bool] | None = None,
+    first: int = 0,
+    origin: int = 0,
+    rows: RowTracker | None = None,
     seam: SeamStats | None = None,
 ) -> None:
-    """Stream the tiles of one ``(C, *spatial)`` source through ``predictor`` into ``sink``."""
-    merger = make_merger(grid, sink, reduce, transfers.merge_device)
+    """Stream the tiles of one ``(C, *spatial)`` source through ``predictor`` into ``sink``, from
+    tile ``first`` (grid C order) on; ``origin`` is the first output row (axis 0) written."""
+    merger = make_merger(grid, sink, reduce, transfers.merge_device, origin=origin)
     meter = None if seam is None else SeamMeter(grid, seam, transfers.merge_device)
     pin = transfers.run_device.type == "cuda"
     c_out: int | None = None
     in_flight: deque[tuple[Batch, Staged]] = deque()
-    with TileReader(source, grid, pad_mode, batch_size, pin=pin, prefetch=prefetch) as reader:
+    with TileReader(source, grid, pad_mode, batch_size, pin=pin, prefetch=prefetch, first=first) as reader:
         for b, batch in enumerate(reader):
             if should_stop is not None and should_stop():
                 raise RunCancelledError(
-                    f"stopped by the caller before batch {b} ({b * batch_size} of {grid.n_tiles} tiles done)"
+                    f"stopped by the caller before tile {first + b * batch_size} of {grid.n_tiles}"
                 )
             x = transfers.to_device(batch, reader)
             with torch.inference_mode():
@@ -217,19 +233,30 @@ def _run_one(
             logger.debug("batch %d: %d tiles -> %s", b, len(batch.tiles), tuple(pred.shape))
             in_flight.append((batch, transfers.from_device(pred)))
             while len(in_flight) > transfers.lag:  # on CUDA the next batch is launched first
-                _merge(merger, reader, *in_flight.popleft(), meter)
+                _merge(merger, reader, *in_flight.popleft(), rows, meter)
             bar.update(len(batch.tiles))
         while in_flight:
-            _merge(merger, reader, *in_flight.popleft(), meter)
+            _merge(merger, reader, *in_flight.popleft(), rows, meter)
     merger.finish()
+    if rows is not None:
+        rows.finished()
 
 
-def _merge(merger: Merger, reader: TileReader, batch: Batch, staged: Staged, meter: SeamMeter | None) -> None:
+def _merge(
+    merger: Merger,
+    reader: TileReader,
+    batch: Batch,
+    staged: Staged,
+    rows: RowTracker | None,
+    meter: SeamMeter | None,
+) -> None:
     values = staged.wait()
     for k, tile in enumerate(batch.tiles):
         if meter is not None:
             meter.add(tile, values[k])
         merger.add(tile, values[k][(slice(None), *tile.crop)])
+        if rows is not None:
+            rows.merged(tile)
     reader.release(batch)  # after merging: the prediction may be a view of the batch
 
 

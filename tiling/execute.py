@@ -68,6 +68,7 @@ class TileReader:
         batch_size: tiles per batch.
         pin: allocate the buffers in page-locked memory (for non-blocking copies to CUDA).
         prefetch: read the next batch in a background thread while the current one is used.
+        first: index (C order) of the first tile read; batches hold ``batch_size`` tiles from it.
 
     Every batch must be handed back with :meth:`release` once its data is no longer needed (after
     its outputs are merged: a predictor may return a view of its input). Use it as a context manager
@@ -92,6 +93,7 @@ class TileReader:
         *,
         pin: bool = False,
         prefetch: bool = False,
+        first: int = 0,
     ) -> None:
         self.source = source
         self.grid = grid
@@ -103,7 +105,7 @@ class TileReader:
         self.device = source.device if on_device else torch.device("cpu")
         self.pin = pin and not on_device and torch.cuda.is_available()
         n_slots = 2 if self.prefetch or self.pin else 1
-        tiles = list(grid.tiles())
+        tiles = list(grid.tiles())[first:]
         self._batches = [tiles[i : i + batch_size] for i in range(0, len(tiles), batch_size)]
         n_slots = min(n_slots, len(self._batches))
         channels = int(source.shape[0])

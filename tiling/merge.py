@@ -41,13 +41,16 @@ class Merger(Protocol):
         """Write whatever is still held and flush the sink; nothing is added afterwards."""
 
 
-def make_merger(grid: TileGrid, sink: Sink, reduce: Reducer | None, device: torch.device) -> Merger:
+def make_merger(
+    grid: TileGrid, sink: Sink, reduce: Reducer | None, device: torch.device, *, origin: int = 0
+) -> Merger:
     """The merger for ``grid``: a :class:`DirectWriter` when its writes partition the output, else a
-    :class:`SlabMerger` whose accumulator lives on ``device``."""
+    :class:`SlabMerger` whose accumulator lives on ``device`` and starts at output row ``origin``
+    (axis 0; a resumed run's first write, :mod:`tiling.resume`)."""
     weights = grid_weights(grid)
     if all(w is None for w in weights):
         return DirectWriter(sink, reduce)
-    return SlabMerger(grid, weights, sink, reduce, device)
+    return SlabMerger(grid, weights, sink, reduce, device, origin=origin)
 
 
 class DirectWriter:
@@ -86,6 +89,7 @@ class SlabMerger:
         sink: where normalized (and reduced) slabs go; flushed after each slab.
         reduce: optional map of each finished slab ``(C_out, *slab)`` to ``(C_red, *slab)``.
         device: where the accumulator (and the weights) live.
+        origin: the first output row (axis 0) that tiles add to (0, or a resumed run's first write).
     """
 
     def __init__(
@@ -95,8 +99,11 @@ class SlabMerger:
         sink: Sink,
         reduce: Reducer | None,
         device: torch.device,
+        *,
+        origin: int = 0,
     ) -> None:
         self.grid = grid
+        self.origin = origin
         self.sink = sink
         self.reduce = reduce
         self.device = device
@@ -113,7 +120,9 @@ class SlabMerger:
         if self._acc is None:
             channels = int(values.shape[0])
             rows = max(hi - lo for lo, hi in self.grid.axes[0].writes)  # the most one row holds
-            self._acc = SlabAccumulator(channels, self.grid.out_shape, self._coverages, self.device, rows)
+            self._acc = SlabAccumulator(
+                channels, self.grid.out_shape, self._coverages, self.device, rows, origin=self.origin
+            )
         self._acc.add(tile.write, values, self._tile_weight(tile))
         row = tile.index[0]
         self._rows_left[row] -= 1

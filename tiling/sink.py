@@ -24,12 +24,21 @@ class Sink:
         out_shape: spatial shape of the output (voxels).
         like: ``"numpy"`` or ``"torch"``: the array type to allocate when ``out`` is ``None``.
         device: device of an allocated torch output.
+        floor: output row (axis 0) below which nothing is written (a resumed run,
+            :mod:`tiling.resume`: the rows below are final already).
     """
 
     def __init__(
-        self, out: Any, out_shape: Sequence[int], *, like: str, device: torch.device | None = None
+        self,
+        out: Any,
+        out_shape: Sequence[int],
+        *,
+        like: str,
+        device: torch.device | None = None,
+        floor: int = 0,
     ) -> None:
         self.out = out
+        self.floor = floor
         self.out_shape = tuple(out_shape)
         self.like = like
         self.device = device
@@ -39,7 +48,13 @@ class Sink:
             )
 
     def write(self, write: Sequence[slice], values: torch.Tensor) -> None:
-        """Write ``values`` ``(C, *region)`` at the spatial slices ``write``."""
+        """Write ``values`` ``(C, *region)`` at the spatial slices ``write`` (minus rows below the floor)."""
+        lo, hi = write[0].start, write[0].stop
+        if lo < self.floor:
+            if hi <= self.floor:
+                return
+            values = values[:, self.floor - lo :]
+            write = (slice(self.floor, hi), *write[1:])
         if self.out is None:
             shape = (values.shape[0], *self.out_shape)
             if self.like == "torch":

@@ -7,7 +7,9 @@ tile decompresses up to its slice). For each: tilewise with ``prefetch=True`` an
 two parts alone (reading and padding every tile; the network on as many tiles of the same shape), so
 the overlap can be read against its bound ``max(read, network)``. The network runs on
 ``prefetch_threads`` torch threads (default 1: on a 2-core machine the reading thread gets the
-other core; with every core busy there is nothing to overlap into).
+other core; with every core busy there is nothing to overlap into). A third source row uses the
+``.nii.gz`` with a *simulated accelerator*: the same network plus a wait of ``prefetch_sleep_s`` per
+tile that holds no CPU, as a GPU's network time leaves the host's cores free.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ def case_prefetch(bench: Bench) -> None:
         "halo": m.prefetch_halo,
         "threads": m.prefetch_threads,
     }
-    for label, source in sources:
-        job = {**base, **source}
+    accelerator = {"model": "box-3d-sleep", "seconds_per_tile": m.prefetch_sleep_s}
+    for label, source, net in [*((lb, src, {}) for lb, src in sources),
+                               ("nii.gz, simulated accelerator", sources[1][1], accelerator)]:  # fmt: skip
+        job = {**base, **source, **net}
         bench.add("prefetch", f"{label}: read and pad only", {**job, "kind": "read-only"})
         bench.add("prefetch", f"{label}: network only", {**job, "kind": "network-only"})
         for prefetch in (True, False):

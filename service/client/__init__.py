@@ -4,7 +4,8 @@ Importing this package pulls in neither torch, numpy nor FastAPI (a test checks 
 interpreter), so ``tilewise batch`` starts fast on a machine that only talks to a server.
 
 Modules: :mod:`~service.client.settings` (flags and ``TILEWISE_*`` fallbacks),
-:mod:`~service.client.api` (retrying httpx client), :mod:`~service.client.retry` (backoff),
+:mod:`~service.client.api` (retrying httpx client), :mod:`~service.client.jobs` (its job methods:
+submit, poll, download), :mod:`~service.client.retry` (backoff),
 :mod:`~service.client.plan` (walk and output names; formats by magic bytes with
 :mod:`service.sniff`, shared with the server), :mod:`~service.client.runner` (the run),
 :mod:`~service.client.progress` (bar or log lines), :mod:`~service.client.report`
@@ -18,6 +19,7 @@ from service.client.api import InferAnswer, TilewiseClient
 from service.client.errors import (
     ClientError,
     Interrupted,
+    JobFailedError,
     OutputDirError,
     ServerError,
     TransportFailure,
@@ -39,6 +41,7 @@ __all__ = [
     "FileResult",
     "InferAnswer",
     "Interrupted",
+    "JobFailedError",
     "OutputDirError",
     "ServerError",
     "Status",

@@ -1,4 +1,5 @@
-"""Typed, retrying httpx client for the tilewise HTTP API (``/v1/models``, ``/v1/models/{name}/infer``).
+"""Typed, retrying httpx client for the tilewise HTTP API (``/v1/models``, ``/v1/models/{name}/infer``,
+and the jobs of :mod:`service.client.jobs`).
 
 Every httpx exception is translated here, at one boundary, into :mod:`service.client.errors`.
 Uploads stream from disk in 1 MiB chunks with a ``Content-Length`` header, and answers stream to
@@ -26,6 +27,7 @@ from urllib.parse import quote
 import httpx
 
 from service.client.errors import ClientError, Interrupted, ServerError, TransportFailure, UnknownModelError
+from service.client.jobs import JobsMixin
 from service.client.retry import backoff_delay, parse_retry_after
 from service.client.settings import ClientSettings
 
@@ -112,7 +114,7 @@ def _read_error_body(response: httpx.Response) -> bytes:
     return body[:_MAX_ERROR_BODY]
 
 
-class TilewiseClient:
+class TilewiseClient(JobsMixin):
     """Client of one tilewise server (or load balancer).
 
     Args:

@@ -7,6 +7,7 @@ Hierarchy::
       ServerError(ClientError)                          an HTTP error answer ({"error", "detail"})
         UnknownModelError(ServerError, LookupError)     the server has no model of that name
       Interrupted(ClientError)                          the run was aborted (second Ctrl-C)
+      JobFailedError(ClientError)                       a job ended failed or cancelled
       OutputDirError(ClientError, OSError)              OUTPUT_DIR cannot be created or written
 
 ``retryable`` tells the retry loop which failures are worth another attempt: every
@@ -20,6 +21,7 @@ __all__ = [
     "RETRYABLE_STATUSES",
     "ClientError",
     "Interrupted",
+    "JobFailedError",
     "OutputDirError",
     "ServerError",
     "TransportFailure",
@@ -80,3 +82,13 @@ class Interrupted(ClientError):
 
 class OutputDirError(ClientError, OSError):
     """OUTPUT_DIR cannot be created or written (read-only, full, no permission)."""
+
+
+class JobFailedError(ClientError):
+    """A job ended ``failed`` or ``cancelled`` (its error code and detail are the server's)."""
+
+    def __init__(self, job_id: str, code: str, detail: str) -> None:
+        super().__init__(f"job {job_id}: {code}: {detail}")
+        self.job_id = job_id
+        self.code = code
+        self.detail = detail

@@ -1,7 +1,8 @@
 """Progress of a batch run: a tqdm bar on a terminal, one log line per file otherwise.
 
 The bar counts input bytes of finished files (so its rate and ETA follow real throughput), shows
-``done/total files`` as its description and the files in flight as its postfix. Log lines go
+``done/total files`` as its description and the files in flight as its postfix, with the tiles
+done of each file sent as a job (``scan.nii.gz 12/40 tiles``). Log lines go
 through :mod:`logging` (configured by :mod:`service.log`), never ``print``.
 """
 
@@ -40,6 +41,9 @@ class Progress(Protocol):
     def file_finished(self, result: FileResult) -> None:
         """A file is done or failed."""
 
+    def file_progress(self, rel: str, tiles_done: int, tiles_total: int | None) -> None:
+        """A file sent as a job has ``tiles_done`` of its ``tiles_total`` tiles done."""
+
     def close(self) -> None:
         """The run is over."""
 
@@ -58,6 +62,9 @@ class LogProgress:
 
     def file_started(self, rel: str) -> None:
         logger.debug("start %s", rel)
+
+    def file_progress(self, rel: str, tiles_done: int, tiles_total: int | None) -> None:
+        logger.debug("%s: %d/%s tiles", rel, tiles_done, tiles_total if tiles_total is not None else "?")
 
     def file_finished(self, result: FileResult) -> None:
         with self._lock:
@@ -97,6 +104,7 @@ class BarProgress:
         self._bar: Any = None
         self._redirect: Any = None
         self._in_flight: list[str] = []
+        self._tiles: dict[str, str] = {}
         self._n_files = 0
         self._finished = 0
         self._failed = 0
@@ -120,7 +128,7 @@ class BarProgress:
         self._redirect.__enter__()
 
     def _postfix(self) -> None:
-        names = ", ".join(self._in_flight)
+        names = ", ".join(f"{rel} {self._tiles.get(rel, '')}".rstrip() for rel in self._in_flight)
         self._bar.set_postfix_str(names if len(names) <= 60 else names[:57] + "...", refresh=True)
 
     def file_started(self, rel: str) -> None:
@@ -128,8 +136,14 @@ class BarProgress:
             self._in_flight.append(rel)
             self._postfix()
 
+    def file_progress(self, rel: str, tiles_done: int, tiles_total: int | None) -> None:
+        with self._lock:
+            self._tiles[rel] = f"{tiles_done}/{tiles_total if tiles_total is not None else '?'} tiles"
+            self._postfix()
+
     def file_finished(self, result: FileResult) -> None:
         with self._lock:
+            self._tiles.pop(result.input, None)
             if result.input in self._in_flight:
                 self._in_flight.remove(result.input)
             self._finished += 1

@@ -25,6 +25,7 @@ the next start (only those of processes that no longer exist).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -81,6 +82,8 @@ class BatchOptions:
         patterns: globs on relative paths (:func:`service.client.plan.glob_to_regex`).
         recursive: walk subfolders.
         overwrite: redo outputs that exist.
+        jobs: send every file as a job (:mod:`service.client.jobs`) instead of a synchronous request.
+        jobs_min_bytes: send files of at least this many bytes as jobs (``None``: only ``jobs``).
     """
 
     input_dir: Path
@@ -90,6 +93,8 @@ class BatchOptions:
     patterns: Sequence[str] = ()
     recursive: bool = False
     overwrite: bool = False
+    jobs: bool = False
+    jobs_min_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,9 +215,19 @@ def _send(run: _Run, job: _Job) -> FileResult:
         if escape:
             return _failed(job, t0, escape, 0)
         final.parent.mkdir(parents=True, exist_ok=True)
-        answer = run.client.infer_to_file(
-            job.candidate.path, tmp, options.model, options.params, label=rel, abort=run.abort
+        as_job = options.jobs or (
+            options.jobs_min_bytes is not None and job.candidate.size_bytes >= options.jobs_min_bytes
         )
+        if as_job:  # survives a replica dying mid-file: another takes the job over, polls go on
+            on_progress = functools.partial(run.progress.file_progress, rel)
+            answer = run.client.run_job(
+                job.candidate.path, tmp, options.model, options.params, label=rel, abort=run.abort,
+                on_progress=on_progress,
+            )  # fmt: skip
+        else:
+            answer = run.client.infer_to_file(
+                job.candidate.path, tmp, options.model, options.params, label=rel, abort=run.abort
+            )
         attempts, bytes_out = answer.attempts, answer.bytes_out
         declared = _server_format(answer)
         if declared and declared != job.fmt and "format" not in options.params:

@@ -8,6 +8,10 @@ output appears under its final name only when complete, and is recorded (size, S
 summary goes to stdout and ``OUTPUT_DIR/tilewise-report.json`` lists every input. Ctrl-C once:
 finish the files in flight; twice: abort them.
 
+With ``--jobs`` (and, without it, for files of at least ``--jobs-above`` bytes) a file goes as a
+job (``POST /v1/jobs``): the bar shows its tiles done, and a replica that dies while it runs the
+job costs nothing but time: another replica takes the job over and the client polls on.
+
 Exit status: 0 when no file failed, 1 when some did, 2 when the run could not start (bad
 arguments, unknown model, wrong API key, OUTPUT_DIR not writable), 130 when interrupted.
 """
@@ -27,6 +31,10 @@ logger = logging.getLogger(__name__)
 _positive_int = argparse_number(int, 1)
 _non_negative_int = argparse_number(int, 0)
 _positive_float = argparse_number(float, 0.0, strict=True)
+
+#: Files of at least this size go as jobs (``--jobs-above``): a synchronous request for a file that
+#: large runs for minutes with no progress, and is lost with its replica.
+JOBS_ABOVE_BYTES = 128 * 2**20
 
 
 def register(sub: Any) -> None:
@@ -49,6 +57,20 @@ def register(sub: Any) -> None:
         type=_non_negative_int,
         help="retries per file after a connection error, timeout or 429/502/503/504, with exponential "
         "backoff and jitter, honouring Retry-After (default: 5)",
+    )
+    conn.add_argument(
+        "--jobs",
+        action="store_true",
+        help="send every file as a job (POST /v1/jobs): tile progress per file, and a file survives "
+        "the server replica running it dying (another one takes the job over; polling goes on)",
+    )
+    conn.add_argument(
+        "--jobs-above",
+        type=_non_negative_int,
+        default=JOBS_ABOVE_BYTES,
+        metavar="BYTES",
+        help=f"send files of at least BYTES bytes as jobs even without --jobs (default: {JOBS_ABOVE_BYTES}, "
+        "128 MiB; 0: every file)",
     )
     conn.add_argument(
         "--timeout",
@@ -139,6 +161,8 @@ def _run(args: argparse.Namespace) -> int:
         patterns=tuple(args.pattern),
         recursive=args.recursive,
         overwrite=args.overwrite,
+        jobs=args.jobs,
+        jobs_min_bytes=args.jobs_above,
     )
     try:
         with TilewiseClient(settings) as client:

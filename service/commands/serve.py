@@ -40,11 +40,16 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--max-tiles", "max_tiles", _positive, "most tiles one request may run (65536)"),
     ("--max-work", "max_work", _work, "most voxels through the network per input voxel (64)"),
     ("--max-request-bytes", "max_request_bytes", _positive, "most memory one request's plan may predict"),
+    ("--max-decoded-bytes", "max_decoded_bytes", _positive, "bytes an input may inflate to"),
     ("--max-uploads", "max_uploads", _positive, "uploads in progress at once (16)"),
     ("--upload-min-rate", "upload_min_rate", _count, "bytes/s an upload must average (16384)"),
     ("--upload-grace", "upload_grace_s", _seconds, "seconds before the minimum rate applies (10)"),
     ("--upload-idle", "upload_idle_s", _work, "seconds an upload may send nothing (30)"),
     ("--max-header-bytes", "max_header_bytes", _positive, "request line plus headers, bytes (32768)"),
+    ("--jobs-dir", "jobs_dir", Path, "folder of the jobs, shared by replicas (default: under the tmp dir)"),
+    ("--job-ttl", "job_ttl_s", _work, "seconds a finished job and its result are kept (86400)"),
+    ("--job-lease", "job_lease_s", _work, "seconds a job's lease outlives its owner's last renewal (30)"),
+    ("--job-scan", "job_scan_s", _work, "seconds between two looks for jobs to take over (1)"),
 )
 
 

@@ -1,4 +1,4 @@
-"""HTTP routes: ``health`` (probes, metrics), ``catalog`` (``/v1/models``), ``infer``.
+"""HTTP routes: ``health`` (probes, metrics), ``catalog`` (``/v1/models``), ``infer``, ``jobs``.
 
 Handlers only do HTTP (parse, respond, headers); the work is :mod:`service.pipeline`'s.
 """
@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends
 from service.routes.catalog import router as catalog_router
 from service.routes.health import router as health_router
 from service.routes.infer import router as infer_router
+from service.routes.jobs import router as jobs_router
 from service.security import require_api_key
 
 __all__ = ["health_router", "v1_router"]
@@ -18,3 +19,4 @@ __all__ = ["health_router", "v1_router"]
 v1_router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 v1_router.include_router(catalog_router)
 v1_router.include_router(infer_router)
+v1_router.include_router(jobs_router)

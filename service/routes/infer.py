@@ -30,7 +30,7 @@ from service.requestid import current_request_id
 from service.routes.docs import error_doc, params_doc
 from service.upload import Pace, receive_upload
 
-__all__ = ["router"]
+__all__ = ["result_headers", "router"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class _CleanupFileResponse(FileResponse):
             )
 
 
-def _headers(label: str, result: InferenceResult) -> dict[str, str]:
+def result_headers(label: str, result: InferenceResult) -> dict[str, str]:
+    """The `X-Tilewise-*` headers of an inference result (the jobs API sends the same)."""
     return {
         "X-Tilewise-Model": label,
         "X-Tilewise-Format": result.format,
@@ -223,7 +224,7 @@ async def infer(
             cleanup=workdir,
             media_type=result.media_type,
             filename=f"{Path(name).name}-output{result.path.name[len('output') :]}",
-            headers=_headers(label, result),
+            headers=result_headers(label, result),
         )
         workdir, status = None, 200
         return response

@@ -173,9 +173,12 @@ def instance_env(tmp_dir: Path, models_dir: Path) -> dict[str, str]:
     return env
 
 
-def start_instance(root: Path, name: str, models_dir: Path, port: int | None = None) -> Instance:
+def start_instance(
+    root: Path, name: str, models_dir: Path, port: int | None = None, **settings: str
+) -> Instance:
     """Start `tilewise serve` on ``port`` (default: a free one); returns at once (see wait_http).
-    Starting one again under the same name and port continues its folder and appends to its log."""
+    Starting one again under the same name and port continues its folder and appends to its log.
+    ``settings`` are more ``TILEWISE_<NAME>`` variables (``jobs_dir="/shared"``)."""
     tilewise = tool("tilewise")
     assert tilewise is not None, "the tilewise console script is not installed (pip install -e .)"
     port = free_port() if port is None else port
@@ -187,7 +190,10 @@ def start_instance(root: Path, name: str, models_dir: Path, port: int | None = N
             [tilewise, "serve", "--host", "127.0.0.1", "--port", str(port)],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=instance_env(tmp_dir, models_dir),
+            env={
+                **instance_env(tmp_dir, models_dir),
+                **{f"TILEWISE_{k.upper()}": v for k, v in settings.items()},
+            },
             cwd=root,
         )
     return Instance(port=port, proc=proc, tmp_dir=tmp_dir, log=log)

@@ -1,0 +1,440 @@
+"""Running jobs: on the device executor, under a lease, resumable; taking over those of dead replicas.
+
+:class:`JobService` is one per server process. A submitted job takes a slot of the device executor
+(the bounded queue that synchronous requests share: 503 when full) and a lease (generation 1); a
+keeper thread renews the leases this process holds and notices cancellations asked of other
+replicas; a scanner thread looks every ``TILEWISE_JOB_SCAN_S`` for unfinished jobs whose lease is
+free (their owner died or stopped) and takes them, while the executor has room, and removes jobs
+older than ``TILEWISE_JOB_TTL_S``.
+
+A job runs :func:`service.pipeline.run_file`, the synchronous endpoint's orchestration, with a
+:class:`~service.jobs.checkpoint.SlabCheckpoint`, so its result is the same file, and a run that
+starts over continues from the last finished slab. It stops before its next batch when it is
+cancelled (``DELETE``), when the server stops (the job stays unfinished: another replica, or the
+restarted one, takes it over) or when its lease was taken over.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.params import parse_query
+from service.errors import NotReadyError, QueueFullError
+from service.executor import DeviceExecutor, Slot
+from service.http_errors import classify
+from service.jobs.checkpoint import SlabCheckpoint
+from service.jobs.lease import Lease, Leases
+from service.jobs.store import INPUT_FILE, PARTIAL_FILE, JobState, JobStore
+from service.metrics import Metrics
+from service.pipeline import InferenceResult, Limits, run_file
+from tiling import ResumePoint, RunCancelledError
+
+__all__ = ["JobService"]
+
+logger = logging.getLogger(__name__)
+
+#: A job that has started this many runs without finishing (each ended by its server dying, or by a
+#: graceful stop) fails instead of taking a next server down with it.
+MAX_ATTEMPTS = 5
+#: Least time between two progress writes of a running job (the event stream's finest step).
+PROGRESS_WRITE_S = 0.2
+
+
+@dataclass
+class _Held:
+    """A job this process holds: its lease, its place in the executor, its stop flag."""
+
+    lease: Lease
+    stop: threading.Event = field(default_factory=threading.Event)
+    future: concurrent.futures.Future[None] | None = None
+
+
+class _Progress:
+    """The record of one run, written as it goes (by the lease holder only)."""
+
+    def __init__(self, service: JobService, record: dict[str, Any], lease: Lease) -> None:
+        self.service = service
+        self.record = record
+        self.lease = lease
+        self.model = record["model"]
+        self.first = 0
+        self.computed = 0
+        self.written_at = 0.0
+        self.lock = threading.Lock()
+
+    def write(self, *, durable: bool = False, force: bool = False) -> None:
+        """Write the record, at most every :data:`PROGRESS_WRITE_S` unless ``force``; never once
+        the lease is lost (fencing)."""
+        now = time.monotonic()
+        if not force and now - self.written_at < PROGRESS_WRITE_S:
+            return
+        if self.lease.valid():
+            self.service.store.write(self.record, durable=durable)
+            self.written_at = now
+
+    def on_start(self, plan: Any, point: ResumePoint) -> None:
+        """The plan is made: the tiles to do, and those a previous run finished."""
+        with self.lock:
+            record = self.record
+            self.first = point.first_tile if len(plan.flips) == 1 else 0
+            before = int(record.get("tiles_done") or 0) if point.rows_done else 0
+            record.update(
+                tiles_total=plan.n_tiles,
+                tiles_done=min(plan.n_tiles, max(before, self.first)),
+                run_started_at=time.time(),
+                run_tiles=0,
+            )
+            if self.first:
+                self.service.metrics.job_tiles_resumed.labels(self.model).inc(self.first)
+                logger.info("job %s: resumed at tile %d of %d", record["id"], self.first, plan.n_tiles)
+            self.write(force=True)
+
+    def tiles(self, n: int) -> None:
+        """``n`` more tiles computed (the engine's progress callback, batch by batch)."""
+        with self.lock:
+            self.computed += n
+            record = self.record
+            total = int(record.get("tiles_total") or 0)
+            done = max(int(record.get("tiles_done") or 0), self.first + self.computed)
+            record["tiles_done"] = min(total, done)
+            record.update(run_tiles=self.computed, progress_at=time.time())
+            self.service.metrics.tiles.labels(self.model).inc(n)
+            self.service.metrics.job_tiles_computed.labels(self.model).inc(n)
+            self.write()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A slab is on disk: record it (durably, it is what a later run trusts)."""
+        with self.lock:
+            self.record["checkpoint"] = checkpoint
+            self.write(durable=True, force=True)
+
+
+class JobService:
+    """The jobs of one server process.
+
+    Args:
+        store: the jobs folder.
+        executor: the device executor (shared with synchronous requests).
+        repository: returns the model repository (``get(name)``; it may be replaced by a reload).
+        metrics: the app's metrics.
+        settings: the service settings (limits, ``job_*``).
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        executor: DeviceExecutor,
+        repository: Callable[[], Any],
+        metrics: Metrics,
+        settings: Any,
+    ) -> None:
+        self.store = store
+        self.executor = executor
+        self.repository = repository
+        self.metrics = metrics
+        self.settings = settings
+        self.limits = Limits.from_settings(settings)
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.leases = Leases(self.owner, settings.job_lease_s)
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._last_scan = time.monotonic()
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the keeper and scanner threads."""
+        for target, name in ((self._keep, "tilewise-job-leases"), (self._scan_loop, "tilewise-job-scan")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        logger.info("jobs in %s (replica %s)", self.store.root, self.owner)
+
+    def stop_all(self) -> None:
+        """Stop taking jobs over, and stop the running one before its next batch (it stays unfinished)."""
+        self._closing.set()
+        with self._lock:
+            for held in self._held.values():
+                held.stop.set()
+
+    def close(self) -> None:
+        """Stop the threads and let every job still held go (after the executor stopped)."""
+        self.stop_all()
+        for thread in self._threads:
+            thread.join(10)
+        with self._lock:
+            held = list(self._held.items())
+            self._held.clear()
+        for job_id, h in held:
+            h.lease.release()
+            logger.info("job %s released for another replica", job_id)
+
+    @property
+    def last_scan_age_s(self) -> float:
+        """Seconds since the scanner last looked (a liveness hint)."""
+        return time.monotonic() - self._last_scan
+
+    # -- submission and cancellation ----------------------------------------------------------------
+
+    def create(
+        self, job_id: str, model: str, query: dict[str, str], key_hash: str | None
+    ) -> tuple[dict[str, Any], Lease]:
+        """Record a new job whose input is in its folder; returns its record and lease."""
+        lease = self.leases.take(self.store.folder(job_id))
+        if lease is None:  # pragma: no cover - a fresh folder has no lease
+            raise RuntimeError(f"job {job_id}: cannot take the lease of a new job")
+        now = time.time()
+        record: dict[str, Any] = {
+            "id": job_id,
+            "model": model,
+            "query": query,
+            "state": JobState.QUEUED.value,
+            "created_at": now,
+            "started_at": None,
+            "finished_at": None,
+            "tiles_done": 0,
+            "tiles_total": None,
+            "error": None,
+            "attempts": 0,
+            "key_hash": key_hash,
+        }
+        self.store.write(record, durable=True)
+        self.store.set_active(job_id, True)
+        return record, lease
+
+    def enqueue(self, lease: Lease, slot: Slot) -> None:
+        """Queue the job of ``lease`` on the executor in ``slot``."""
+        job_id = lease.job_id
+        held = _Held(lease)
+        with self._lock:
+            self._held[job_id] = held
+        held.future = self.executor.submit_future(lambda: self._run(job_id), slot=slot)
+        held.future.add_done_callback(lambda future: self._after(job_id, future))
+        self.metrics.jobs.labels(JobState.QUEUED.value).inc()
+
+    def cancel(self, job_id: str) -> None:
+        """Ask for the job's cancellation; when nobody holds it, cancel it here."""
+        record = self.store.read(job_id)
+        if JobState(record["state"]).finished:
+            return
+        self.store.request_cancel(job_id)
+        with self._lock:
+            held = self._held.get(job_id)
+        if held is not None:
+            held.stop.set()
+            if held.future is not None:
+                held.future.cancel()  # not started yet: _after finishes it
+            return
+        lease = self.leases.take(self.store.folder(job_id))
+        if lease is not None:  # nobody holds it (its owner died): finish it here
+            try:
+                self._finish(self.store.read(job_id), lease, JobState.CANCELLED)
+            finally:
+                lease.release()
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    def _after(self, job_id: str, future: concurrent.futures.Future[None]) -> None:
+        """The executor is done with the job: a cancelled (never started) one is finished or let go."""
+        with self._lock:
+            held = self._held.pop(job_id, None)
+        if held is None:
+            return
+        try:
+            if future.cancelled() and held.lease.valid() and self.store.cancel_requested(job_id):
+                self._finish(self.store.read(job_id), held.lease, JobState.CANCELLED)
+        except Exception:
+            logger.exception("job %s: could not record its cancellation", job_id)
+        finally:
+            held.lease.release()
+
+    def _run(self, job_id: str) -> None:
+        """The executor's work for one job (its lease is released by :meth:`_after`)."""
+        with self._lock:
+            held = self._held[job_id]
+        lease = held.lease
+        if not lease.valid():
+            return
+        record = self.store.read(job_id)
+        if JobState(record["state"]).finished:
+            return
+        if self.store.cancel_requested(job_id):
+            self._finish(record, lease, JobState.CANCELLED)
+            return
+        if held.stop.is_set():
+            return
+        record["attempts"] = int(record.get("attempts") or 0) + 1
+        if record["attempts"] > MAX_ATTEMPTS:
+            error = {"error": "too_many_attempts", "detail": f"the job was started {MAX_ATTEMPTS} times "
+                     "without finishing (each time its server stopped or died)"}  # fmt: skip
+            self._finish(record, lease, JobState.FAILED, error=error)
+            return
+        record.update(state=JobState.RUNNING.value, started_at=record.get("started_at") or time.time())
+        self.store.write(record, durable=True)
+        self.metrics.jobs.labels(JobState.RUNNING.value).inc()
+        logger.info("job %s: running model=%s attempt=%d", job_id, record["model"], record["attempts"])
+        progress = _Progress(self, record, lease)
+        folder = self.store.folder(job_id)
+
+        def should_stop() -> bool:
+            return held.stop.is_set() or not lease.valid() or self.store.cancel_requested(job_id)
+
+        try:
+            model = self.repository().get(record["model"])
+            params = parse_query(record["query"].items())
+            checkpoint = SlabCheckpoint(
+                folder / PARTIAL_FILE, record.get("checkpoint"), progress.save_checkpoint, progress.on_start
+            )
+            result = run_file(
+                model,
+                folder / INPUT_FILE,
+                folder / "output",
+                params,
+                limits=self.limits,
+                should_stop=should_stop,
+                progress=progress.tiles,
+                checkpoint=checkpoint,
+            )
+        except RunCancelledError:
+            with progress.lock:
+                if self.store.cancel_requested(job_id):
+                    self._finish(record, lease, JobState.CANCELLED)
+                elif lease.valid():  # the server stops: another replica continues from the last slab
+                    record["state"] = JobState.QUEUED.value
+                    self.store.write(record, durable=True)
+                    logger.info("job %s: stopped with its server; left for another replica", job_id)
+        except Exception as exc:
+            with progress.lock:
+                info = classify(exc)
+                if info.status >= 500 and info.status != 503:
+                    logger.error("job %s failed", job_id, exc_info=exc)
+                error = {"error": info.code, "detail": info.detail}
+                self._finish(record, lease, JobState.FAILED, error=error)
+        else:
+            with progress.lock:
+                self._finish(record, lease, JobState.DONE, result=result)
+
+    def _finish(
+        self,
+        record: dict[str, Any],
+        lease: Lease,
+        state: JobState,
+        *,
+        error: dict[str, str] | None = None,
+        result: InferenceResult | None = None,
+    ) -> None:
+        """Record the job's end (if this process still holds it) and drop what it no longer needs."""
+        if not lease.valid():
+            return
+        job_id = record["id"]
+        folder = self.store.folder(job_id)
+        record.update(state=state.value, finished_at=time.time(), error=error)
+        if result is not None:
+            from service.routes.infer import result_headers
+
+            record["tiles_done"] = record.get("tiles_total") or result.n_tiles
+            record["result"] = {
+                "file": result.path.name,
+                "media_type": result.media_type,
+                "filename": f"{record['model']}-output{result.path.name[len('output') :]}",
+                "headers": result_headers(record["model"], result),
+                "size_bytes": result.size_bytes,
+            }
+        doomed = [folder / INPUT_FILE, folder / PARTIAL_FILE]
+        if state is not JobState.DONE:
+            doomed += [p for p in folder.glob("output.*")]
+        for path in doomed:
+            path.unlink(missing_ok=True)
+        self.store.write(record, durable=True)
+        self.store.set_active(job_id, False)
+        self.metrics.jobs.labels(state.value).inc()
+        logger.info("job %s: %s%s", job_id, state.value, f" ({error['error']})" if error else "")
+
+    # -- keeper and scanner -------------------------------------------------------------------------
+
+    def _keep(self) -> None:
+        """Renew held leases every third of ``lease_s``; pass on cancellations asked elsewhere."""
+        interval = max(0.05, self.settings.job_lease_s / 3)
+        while not self._closing.wait(interval):
+            with self._lock:
+                held = list(self._held.items())
+            for job_id, h in held:
+                try:
+                    if not h.lease.renew():
+                        h.stop.set()
+                    elif not h.stop.is_set() and self.store.cancel_requested(job_id):
+                        h.stop.set()
+                        if h.future is not None:
+                            h.future.cancel()
+                except Exception:
+                    logger.exception("job %s: lease renewal failed", job_id)
+
+    def _scan_loop(self) -> None:
+        ttl_s = self.settings.job_ttl_s
+        sweep_every = min(60.0, max(self.settings.job_scan_s, ttl_s / 4))
+        orphan_s = 2 * self.settings.upload_idle_s + 60
+        next_sweep = 0.0
+        while not self._closing.wait(self.settings.job_scan_s):
+            self._last_scan = time.monotonic()
+            try:
+                self.scan()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + sweep_every
+                    self.store.sweep(ttl_s, orphan_s)
+            except Exception:
+                logger.exception("job scan failed")
+
+    def scan(self) -> int:
+        """Take over the unfinished jobs nobody holds, while the executor has room; returns how many."""
+        taken = 0
+        for job_id in self.store.active():
+            if self._closing.is_set() or not self.executor.has_room():
+                break
+            with self._lock:
+                if job_id in self._held:
+                    continue
+            folder = self.store.folder(job_id)
+            if not folder.is_dir():
+                self.store.set_active(job_id, False)
+                continue
+            try:
+                slot = self.executor.reserve()
+            except (QueueFullError, NotReadyError):
+                break
+            lease = self.leases.take(folder) if self.store.exists(job_id) else None
+            if lease is None:
+                slot.release()
+                continue
+            try:
+                record = self.store.read(job_id)
+                if JobState(record["state"]).finished:
+                    self.store.set_active(job_id, False)
+                    lease.release()
+                    slot.release()
+                    continue
+                record["state"] = JobState.QUEUED.value
+                self.store.write(record, durable=True)
+                self.enqueue(lease, slot)
+            except BaseException:
+                lease.release()
+                slot.release()
+                raise
+            self.metrics.job_takeovers.inc()
+            taken += 1
+        return taken
+
+    def held(self) -> list[str]:
+        """Ids of the jobs this process holds."""
+        with self._lock:
+            return list(self._held)

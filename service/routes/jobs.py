@@ -1,0 +1,278 @@
+"""The jobs API: ``POST /v1/jobs``, ``GET /v1/jobs[/{id}[/events|/result]]``, ``DELETE /v1/jobs/{id}``.
+
+Handlers only do HTTP; jobs live in :mod:`service.jobs`. Any replica that shares the jobs folder
+answers every route for every job. A submission is checked like a synchronous request (model,
+parameters, budget, upload limits, the file's header and plan) before it becomes a job, and takes a
+place in the device queue (503 when full).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from models.params import InferenceParams, parse_query
+from service.budget import Budget
+from service.deps import ExecutorDep, MetricsDep, RepositoryDep, SettingsDep
+from service.errors import (
+    BadParameterError,
+    IdempotencyKeyReusedError,
+    JobNotFoundError,
+    JobStateError,
+    NotReadyError,
+)
+from service.executor import Slot
+from service.jobs import JobService, JobState, event_stream, job_status
+from service.jobs.store import INPUT_FILE
+from service.pipeline import Limits, precheck
+from service.requestid import current_request_id
+from service.routes.docs import error_doc, params_doc
+from service.upload import Pace, receive_upload
+
+__all__ = ["router"]
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(tags=["jobs"])
+
+#: ``Idempotency-Key``: visible ASCII, as in the IETF draft's examples (a UUID is typical).
+_KEY_RE = re.compile(r"^[\x21-\x7e]{1,255}$")
+
+_STATUS_EXAMPLE = {
+    "id": "0f8c1e3a9b6d4e2f8a7c5b3d1e9f0a2b",
+    "model": "gaussian-3d",
+    "state": "running",
+    "tiles_done": 12,
+    "tiles_total": 40,
+    "progress": 0.3,
+    "eta_s": 8.5,
+    "created": "2026-12-01T13:49:34.988Z",
+    "started": "2026-12-01T13:49:35.102Z",
+    "finished": None,
+    "error": None,
+    "params": {"tile": "64"},
+}
+_UNKNOWN = error_doc("unknown_job", "No job of this id (never submitted, or expired).")
+
+
+def _service(request: Request) -> JobService:
+    service: JobService | None = getattr(request.app.state, "jobs", None)
+    if service is None:
+        raise NotReadyError("the server is starting or stopping")
+    return service
+
+
+JobsDep = Annotated[JobService, Depends(_service)]
+
+
+def _accepted(record: dict[str, Any]) -> JSONResponse:
+    return JSONResponse(job_status(record), 202, headers={"Location": f"/v1/jobs/{record['id']}"})
+
+
+def _same_job(service: JobService, job_id: str, model: str, query: dict[str, str]) -> dict[str, Any]:
+    """The record of the job an idempotency key names, if it was made with this request's model
+    and parameters."""
+    record = service.store.read(job_id)
+    if record["model"] != model or record["query"] != query:
+        raise IdempotencyKeyReusedError(
+            f"Idempotency-Key names job {job_id} (model {record['model']}, parameters "
+            f"{record['query']}); this request has model {model}, parameters {query}"
+        )
+    return record
+
+
+def _parse(request: Request, repository: Any) -> tuple[str, InferenceParams]:
+    items = request.query_params.multi_items()
+    names = [value for key, value in items if key == "model"]
+    if len(names) != 1:
+        raise BadParameterError("give the model once: POST /v1/jobs?model=NAME&<inference parameters>")
+    if any(key == "dry_run" for key, _ in items):
+        raise BadParameterError("a job always runs; for a plan, POST /v1/models/{name}/infer?dry_run=true")
+    label = str(repository.spec(names[0]).name)
+    return label, parse_query([(k, v) for k, v in items if k != "model"])
+
+
+_SUBMIT_OPENAPI = {
+    "parameters": [
+        {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}},
+        *params_doc(),
+        {
+            "name": "Idempotency-Key",
+            "in": "header",
+            "required": False,
+            "description": "A retried submission with the same key returns the same job.",
+            "schema": {"type": "string", "maxLength": 255},
+        },
+    ],
+    "requestBody": {
+        "required": True,
+        "description": "The file, raw or as the multipart field `file` (as for the synchronous endpoint).",
+        "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "required": ["file"],
+                }
+            },
+        },
+    },
+}
+
+
+@router.post(
+    "/jobs",
+    status_code=202,
+    openapi_extra=_SUBMIT_OPENAPI,
+    responses={
+        202: {"description": "The job (`Location: /v1/jobs/{id}`).", "content": {"application/json": {}}},
+        400: error_doc("bad_parameter", "Missing model, invalid parameter or key, or an empty body."),
+        404: error_doc("unknown_model", "No model of this name."),
+        409: error_doc("idempotency_key_reused", "The key names a job of another model or parameters."),
+        413: error_doc("payload_too_large", "Upload, image or plan over the limits."),
+        503: error_doc("queue_full", "The device queue is full; retry after `Retry-After` seconds."),
+    },
+)
+async def submit_job(
+    request: Request,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    repository: RepositoryDep,
+    executor: ExecutorDep,
+    service: JobsDep,
+) -> Response:
+    """Submit a file as a job; watch it with GET /v1/jobs/{id} or /events."""
+    state = request.app.state
+    if not getattr(state, "ready", False):
+        raise NotReadyError("models are not loaded (starting or shutting down)")
+    store = service.store
+    label, params = _parse(request, repository)
+    Budget.from_settings(settings).check_params(params)
+    query = params.to_query()
+    key = request.headers.get("idempotency-key")
+    key_hash = None
+    if key is not None:
+        if not _KEY_RE.match(key):
+            raise BadParameterError("Idempotency-Key must be 1 to 255 visible ASCII characters")
+        key_hash = store.key_hash(key)
+        existing = await anyio.to_thread.run_sync(store.find_key, key_hash)
+        if existing is not None:  # a retry: the body is not read
+            return _accepted(await anyio.to_thread.run_sync(_same_job, service, existing, label, query))
+    if not executor.has_room():
+        raise executor.full_error()
+    folder: Path | None = None
+    slot: Slot | None = None
+    try:
+        with state.uploads.hold():
+            job_id, folder = await anyio.to_thread.run_sync(store.new_folder)
+            pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s)
+            source, n_bytes = await receive_upload(
+                request, folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
+            )
+        metrics.bytes_in.inc(n_bytes)
+        limits = Limits.from_settings(settings)
+        model = await anyio.to_thread.run_sync(repository.get, label)
+        await anyio.to_thread.run_sync(precheck, model, source, params, limits)
+        slot = executor.reserve()
+        record, lease = await anyio.to_thread.run_sync(service.create, job_id, label, query, key_hash)
+        if key_hash is not None:
+            bound = await anyio.to_thread.run_sync(store.bind_key, key_hash, job_id)
+            if bound != job_id:  # a concurrent submission with this key made the job first
+                lease.release()
+                await anyio.to_thread.run_sync(store.remove, job_id)
+                folder = None
+                return _accepted(await anyio.to_thread.run_sync(_same_job, service, bound, label, query))
+        service.enqueue(lease, slot)
+        folder = None
+        logger.info("request %s: job %s queued model=%s", current_request_id(), job_id, label)
+        return _accepted(record)
+    except ClientDisconnect:
+        logger.info("request %s: client disconnected during a job upload", current_request_id())
+        return Response(status_code=499)
+    finally:
+        if slot is not None:
+            slot.release()  # a no-op once the job took it
+        if folder is not None:
+            await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, folder, ignore_errors=True))
+
+
+@router.get("/jobs")
+async def list_jobs(
+    service: JobsDep, limit: Annotated[int, Query(ge=1, le=1000, description="Most jobs listed.")] = 50
+) -> list[dict[str, Any]]:
+    """List the most recent jobs, newest first."""
+    records = await anyio.to_thread.run_sync(service.store.recent, limit)
+    return [job_status(r) for r in records]
+
+
+@router.get(
+    "/jobs/{job_id}",
+    responses={200: {"content": {"application/json": {"example": _STATUS_EXAMPLE}}}, 404: _UNKNOWN},
+)
+async def get_job(job_id: str, service: JobsDep) -> dict[str, Any]:
+    """The job's state and progress."""
+    return job_status(await anyio.to_thread.run_sync(service.store.read, job_id))
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "`text/event-stream`: one `progress` event per change (data: the job's "
+            "status), then one `done`, `failed` or `cancelled` event.",
+            "content": {"text/event-stream": {}},
+        },
+        404: _UNKNOWN,
+    },
+)
+async def job_events(job_id: str, service: JobsDep) -> StreamingResponse:
+    """Follow the job as server-sent events until it ends."""
+    store = service.store
+    await anyio.to_thread.run_sync(store.read, job_id)  # 404 before the stream starts
+    return StreamingResponse(
+        event_stream(functools.partial(store.read, job_id)),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get(
+    "/jobs/{job_id}/result",
+    responses={
+        200: {"description": "The output file, as the synchronous endpoint returns it (same headers)."},
+        404: _UNKNOWN,
+        409: error_doc("job_not_done", "The job is not done (yet, or it failed or was cancelled)."),
+    },
+)
+async def job_result(job_id: str, service: JobsDep) -> Response:
+    """Download the job's result."""
+    store = service.store
+    record = await anyio.to_thread.run_sync(store.read, job_id)
+    if record["state"] != JobState.DONE.value:
+        raise JobStateError(f"job {job_id} is {record['state']}; its result exists once it is done")
+    result = record["result"]
+    path = store.folder(job_id) / result["file"]
+    if not path.is_file():
+        raise JobNotFoundError(f"the result of job {job_id} has expired")
+    return FileResponse(
+        path, media_type=result["media_type"], filename=result["filename"], headers=result["headers"]
+    )
+
+
+@router.delete("/jobs/{job_id}", status_code=202, responses={404: _UNKNOWN})
+async def cancel_job(job_id: str, service: JobsDep) -> JSONResponse:
+    """Cancel the job: it stops before its next batch (a finished job stays as it is)."""
+    await anyio.to_thread.run_sync(service.cancel, job_id)
+    record = await anyio.to_thread.run_sync(service.store.read, job_id)
+    return JSONResponse(job_status(record), 202)
