@@ -113,3 +113,46 @@ def test_anisotropic_copy_within_dice(mni2: nib.Nifti1Image, tmp_path: Path) -> 
     got = np.asarray(copy.dataobj)
     scores = [_dice(got, reference, label) for label in (1, 2)]
     assert min(scores) >= 0.9, scores
+
+
+def test_a_stopped_job_resumes_on_the_model_grid(anatomical_path: Path, tmp_path: Path) -> None:
+    """A job's checkpoint holds the network's output on the model grid (1 mm probabilities, since
+    the labels are made only after resampling back); a run stopped after some tiles continues from
+    its last finished tile row and gives the uninterrupted run's labels."""
+    from service.codecs import decode
+    from service.jobs.checkpoint import SlabCheckpoint
+    from service.pipeline import run_volume
+    from tiling import RunCancelledError
+
+    model = _model(tmp_path / "m", defaults={"tile": 32, "halo": 2, "batch_size": 1})
+    volume = decode(anatomical_path)
+    params = parse_params({})
+    whole = run_volume(model, volume, params)
+    records: list[dict[str, Any]] = []
+
+    def checkpoint(saved: dict[str, Any] | None) -> SlabCheckpoint:
+        return SlabCheckpoint(tmp_path / "partial.npy", saved, records.append, lambda plan, point: None)
+
+    grid = whole.plan.grid
+    per_row = grid.n_tiles // grid.grid_shape[0]
+    calls = []
+
+    def stop_in_the_second_row() -> bool:  # asked before each batch of one tile
+        calls.append(1)
+        return len(calls) > per_row + 1
+
+    with pytest.raises(RunCancelledError):
+        run_volume(model, volume, params, should_stop=stop_in_the_second_row, checkpoint=checkpoint(None))
+    partial = np.load(tmp_path / "partial.npy", mmap_mode="r")
+    assert partial.shape == (3, 66, 82, 50) and partial.dtype == np.float32  # the model grid
+    assert 0 < records[-1]["rows_done"] < 66
+    batches: list[int] = []
+
+    def count() -> bool:
+        batches.append(1)
+        return False
+
+    resumed = run_volume(model, volume, params, should_stop=count, checkpoint=checkpoint(records[-1]))
+    assert len(batches) <= grid.n_tiles - per_row  # the finished tile row was not run again
+    np.testing.assert_array_equal(resumed.result, whole.result)
+    assert grid.grid_shape[0] >= 3 and resumed.plan.header() == whole.plan.header()
