@@ -159,3 +159,30 @@ def test_tiff_input_drawn_by_the_page(server, new_page, recorder, tmp_path, comp
     stretched = (grey.astype(float) - grey.min()) * 255 / (int(grey.max()) - int(grey.min()))
     assert np.abs(rgb[untouched] - stretched[untouched][:, None]).max() <= 1
     recorder.check()
+
+
+def test_seam_figures_and_warning_beside_the_result(server, new_page, recorder, page_png) -> None:
+    """A halo below the receptive field: the server measures the seams and warns; the page shows
+    both figures and the sentence, as the result's headers give them."""
+    page = new_page()
+    page.goto(f"{server.url}/")
+    page.wait_for_function("() => !document.getElementById('model').disabled")
+    page.select_option("#model", "gaussian-2d")
+    page.set_input_files("#file", str(page_png))
+    page.click("#options summary")
+    page.fill("#opt-tile", "64")
+    page.fill("#opt-halo", "2")
+    with page.expect_response(
+        lambda r: r.url.endswith("/result") and r.status == 200, timeout=JOB_TIMEOUT_MS
+    ) as answer:
+        page.click("#run")
+        assert wait_for_end(page).startswith("done")
+    headers = answer.value.headers
+    terms, values = page.locator("#facts dt").all_inner_texts(), page.locator("#facts dd").all_inner_texts()
+    facts = dict(zip(terms, values, strict=True))
+    seam = dict(part.strip().split("=", 1) for part in headers["x-tilewise-seam"].split(";"))
+    assert {"max", "mean"} <= set(seam) and float(seam["max"]) > 0
+    assert {f"seam {k}": v for k, v in seam.items()} == {k: facts[k] for k in facts if k.startswith("seam ")}
+    assert facts["warning"] == headers["x-tilewise-warning"]
+    assert facts["halo"] == "2,2"
+    recorder.check()

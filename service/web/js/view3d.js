@@ -114,7 +114,9 @@ export class VolumeView {
     // Labels are ids, never blended: nearest-neighbour sampling (a slice between two voxel planes
     // would otherwise mix their colours). Probabilities and the input stay smooth.
     nv.setInterpolation(meta.kind === "labels");
-    nv.setSliceType(nv.sliceTypeMultiplanar);
+    // A one-slice NIfTI (a 2D image for a 2D model) has one view worth showing.
+    const flat = base.hdr.dims[3] <= 1;
+    nv.setSliceType(flat ? nv.sliceTypeAxial : nv.sliceTypeMultiplanar);
     nv.updateGLVolume();
     this.output = over;
     this.kind = meta.kind;
