@@ -70,6 +70,7 @@ __all__ = [
     "mni152_paths",
     "predict_band",
     "run",
+    "run_from_args",
     "train_module",
 ]
 
