@@ -25,8 +25,8 @@ What deepbet does (``deepbet/bet.py`` and ``deepbet/utils.py`` of the wheel):
 The network has learnt where a brain lies in that frame: given a wider field of view it calls
 background "brain" (the MNI152 T1 whole at 1 mm: Dice 0.73 against nilearn's mask; in its frame:
 0.98), and tiles much smaller than the frame see a brain of their own (128^3 tiles of the 256^3
-frame: Dice 0.75-0.78 against the whole pass; 192^3: 0.99, but neighbouring tiles disagree by
-0.25 on average where they overlap; 224^3: 0.99 and 0.005). Hence the frame here
+frame: Dice 0.75-0.78 against the whole pass; 192^3: 0.993, neighbouring tiles disagreeing by
+0.03 on average where they overlap; 224^3: 0.991 and 0.002). Hence the frame here
 (:func:`to_frame`) and the default of one 256^3 tile, the frame itself (``benchmarks/BRAINMASK.md``).
 
 The spec says all of this but step 4's post-processing (its own spec fields, applied by
@@ -108,7 +108,7 @@ def brain_mask_mapping() -> dict[str, Any]:
     softmax, so the activation is ``none``; ``labels`` (argmax of 2 channels) is deepbet's
     ``p > 0.5``. The default plan is one 256^3 tile, the frame itself (one pass, no seam; peak
     ~660 MB on the CPU). For a smaller memory budget: 224^3 tiles, 2x2x2, Gaussian blend (peak
-    ~490 MB, 5.4x the work; Dice 0.991 against the whole pass, seam mean 0.005); a tile below
+    ~490 MB, 5.4x the work; Dice 0.991 against the whole pass, seam mean 0.002); a tile below
     ~192^3 breaks the network's frame (128^3: Dice 0.75-0.78).
     """
     return {

@@ -35,6 +35,8 @@ class RunPlan:
             calibration's sample.
         grid: the tile grid the run executes (once per entry of :attr:`flips`).
         tta: test-time augmentation.
+        warning: one sentence when a given halo is below a local model's receptive-field radius
+            on an axis with more than one tile (the ``X-Tilewise-Warning`` header), else ``None``.
         mirror_axes: the spatial axes ``tta=mirror`` flips (the spec's ``mirror_axes``).
     """
 
@@ -49,6 +51,7 @@ class RunPlan:
     halo_source: str
     grid: TileGrid
     tta: Tta = Tta.NONE
+    warning: str | None = None
     mirror_axes: tuple[int, ...] | None = None
 
     @property

@@ -30,8 +30,8 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     defaults: {tile: [96, 96, 96], halo: auto, overlap: 0, blend: constant, batch_size: 2}
 
 ``defaults`` is :class:`~models.params.InferenceParams` (the same schema as the HTTP query and the
-CLI options); unset ones are filled in (tile 256 per axis in 1-D/2-D, 96 in 3-D; halo and overlap
-0; blend constant; batch size 1; output ``output.kind``) and per-axis values broadcast, so
+CLI options); unset ones are filled in (tile 256 per axis in 1-D/2-D, 96 in 3-D; halo ``auto``;
+overlap 0; blend constant; batch size 1; output ``output.kind``) and per-axis values broadcast, so
 ``spec.defaults`` is complete but for ``format`` (``None``: it follows the input).
 
 Unknown fields are refused. Invalid specs raise :class:`~models.errors.SpecError` naming the file
@@ -235,8 +235,9 @@ class ModelSpec(BaseModel):
             check_params("params", self.params, ANALYTIC_PARAMS)
             if self.tile_dependent is None:  # fixed filters: local by construction
                 object.__setattr__(self, "tile_dependent", False)
+        # halo "auto" by default: seam-safe, never 0 unless the spec says so
         filled = self.defaults.merged(
-            InferenceParams(tile=256 if ndim < 3 else 96, halo=0, halo_tolerance=1e-4, overlap=0,
+            InferenceParams(tile=256 if ndim < 3 else 96, halo="auto", halo_tolerance=1e-4, overlap=0,
                             blend=Blend.CONSTANT, batch_size=1, output=self.output.kind)
         )  # fmt: skip
         update = {name: _broadcast(f"defaults.{name}", getattr(filled, name), ndim)

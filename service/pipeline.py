@@ -338,6 +338,8 @@ def run_file(
         checkpoint=checkpoint,
     )
     array, plan = run.result, run.plan
+    if plan.warning:
+        logger.warning("model %s: %s", spec.name, plan.warning)
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
     encode(volume, array, fmt, path)
     seconds = time.perf_counter() - started

@@ -245,18 +245,26 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         parser["bundle_root"] = str(root)
         where = f"{source} ({inference.name})"
         inferer, inferer_args = _inferer(parser, where)
+        roi = inferer_args.get("roi_size")
+        net_def = parser.config.get("network_def")
+        hint = len(roi) if isinstance(roi, list | tuple) else None
+        if hint is None and isinstance(net_def, dict) and isinstance(net_def.get("spatial_dims"), int):
+            hint = net_def["spatial_dims"]
+        # the transforms are mapped (or refused) before the network is built and probed
+        pre = _preprocessing(_transforms(parser, "preprocessing", where), hint, where) if hint else None
+        output = _postprocessing(_transforms(parser, "postprocessing", where), where)
         network = _network(parser, root, where)
         fmt_in = meta.get("network_data_format", {})
         image = fmt_in.get("inputs", {}).get("image", {})
         pred = fmt_in.get("outputs", {}).get("pred", {})
-        roi = inferer_args.get("roi_size")
-        dims = len(roi) if isinstance(roi, list | tuple) else None
+        dims = hint
         channels = int(image["num_channels"]) if "num_channels" in image else None
         name = name or model_name(str(meta.get("name") or source.stem))
-        facts = probe_network(network, name=name, spatial_dims=dims, in_channels=channels)
+        window = [int(v) for v in _as_list(roi, dims)] if roi is not None and dims else None
+        facts = probe_network(network, name=name, spatial_dims=dims, in_channels=channels, tile_shape=window)
         dims = facts.spatial_dims
-        pre = _preprocessing(_transforms(parser, "preprocessing", where), dims, where)
-        output = _postprocessing(_transforms(parser, "postprocessing", where), where)
+        if pre is None:
+            pre = _preprocessing(_transforms(parser, "preprocessing", where), dims, where)
         if "num_channels" in pred and int(pred["num_channels"]) != facts.out_channels:
             raise ImportRefusedError(
                 f"{where}: metadata outputs.pred.num_channels={pred['num_channels']}, the network returns "

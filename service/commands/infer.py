@@ -98,7 +98,9 @@ def _run(args: argparse.Namespace) -> int:
     stem = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         params = parse_params(raw)
-        model = ModelRepository(settings.models_dir, device=settings.device).get(args.model)
+        model = ModelRepository(
+            settings.models_dir, device=settings.device, strict=settings.strict_models
+        ).get(args.model)
         target.parent.mkdir(parents=True, exist_ok=True)
         limits = Limits(max_image_pixels=settings.max_image_pixels)
         result = run_file(model, args.input, stem, params, limits=limits, progress=args.progress)

@@ -130,13 +130,15 @@ def test_repository_reads_folder_and_rejects_duplicates(tmp_path: Path) -> None:
     assert "tiny-unet" in ModelRepository(tmp_path).names()
     _write(tmp_path, GOOD, "b.json")
     with pytest.raises(RegistryError, match="defined twice"):
-        ModelRepository(tmp_path)
+        ModelRepository(tmp_path, strict=True)
+    assert "defined twice" in ModelRepository(tmp_path).unavailable()["tiny-unet"]  # not strict: listed
 
 
 def test_repository_fails_on_invalid_spec(tmp_path: Path) -> None:
     _write(tmp_path, {**GOOD, "in_chanels": 1})
     with pytest.raises(SpecError, match="in_chanels"):
-        ModelRepository(tmp_path)
+        ModelRepository(tmp_path, strict=True)
+    assert "in_chanels" in ModelRepository(tmp_path).unavailable()["tiny-unet"]  # not strict: listed
 
 
 def test_params_merge_over_spec_defaults(tmp_path: Path) -> None:
