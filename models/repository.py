@@ -225,10 +225,10 @@ class ModelRepository:
         unavailable (with ``strict``, the error is raised). With ``probe`` (default), a model whose
         spec does not say ``tile_dependent`` is probed for it now, once
         (:meth:`Model.is_tile_dependent`: two or three passes over one default tile), and a local
-        model whose receptive field is unknown (no ``receptive_field`` in its spec, not analytic)
-        for its radius: ``halo="auto"`` needs both, so no request pays for them, and :meth:`spec`
-        / ``/v1/models`` then report them (text-det-2d's radius: about 5 s on two CPU cores). A
-        tile-dependent model needs no radius (``halo="auto"`` does not search).
+        model whose receptive field is unknown (no ``receptive_field`` in its spec, not analytic) is
+        probed for its radius: ``halo="auto"`` needs both, so no request pays for them, and
+        :meth:`spec` / ``/v1/models`` then report them (text-det-2d's radius: about 5 s on two CPU
+        cores). A tile-dependent model needs no radius (``halo="auto"`` does not search).
         """
         gone = self.unavailable()
         for name in names if names is not None else [n for n in self.names() if n not in gone]:

@@ -235,11 +235,17 @@ class ModelSpec(BaseModel):
             check_params("params", self.params, ANALYTIC_PARAMS)
             if self.tile_dependent is None:  # fixed filters: local by construction
                 object.__setattr__(self, "tile_dependent", False)
-        # halo "auto" by default: seam-safe, never 0 unless the spec says so
         filled = self.defaults.merged(
-            InferenceParams(tile=256 if ndim < 3 else 96, halo="auto", halo_tolerance=1e-4, overlap=0,
-                            blend=Blend.CONSTANT, batch_size=1, output=self.output.kind)
-        )  # fmt: skip
+            InferenceParams(
+                tile=256 if ndim < 3 else 96,
+                halo="auto",  # seam-safe: never 0 unless the spec says so
+                halo_tolerance=1e-4,
+                overlap=0,
+                blend=Blend.CONSTANT,
+                batch_size=1,
+                output=self.output.kind,
+            )
+        )
         update = {name: _broadcast(f"defaults.{name}", getattr(filled, name), ndim)
                   for name in ("tile", "halo", "overlap")}  # fmt: skip
         object.__setattr__(self, "defaults", filled.model_copy(update=update))

@@ -33,10 +33,11 @@ from service.executor import DeviceExecutor, Slot
 from service.http_errors import classify
 from service.jobs.checkpoint import SlabCheckpoint
 from service.jobs.lease import Lease, Leases
+from service.jobs.progress import RunProgress
 from service.jobs.store import INPUT_FILE, PARTIAL_FILE, JobState, JobStore
 from service.metrics import Metrics
 from service.pipeline import InferenceResult, Limits, run_file
-from tiling import ResumePoint, RunCancelledError
+from tiling import RunCancelledError
 
 __all__ = ["JobService"]
 
@@ -45,8 +46,6 @@ logger = logging.getLogger(__name__)
 #: A job that has started this many runs without finishing (each ended by its server dying, or by a
 #: graceful stop) fails instead of taking a next server down with it.
 MAX_ATTEMPTS = 5
-#: Least time between two progress writes of a running job (the event stream's finest step).
-PROGRESS_WRITE_S = 0.2
 
 
 @dataclass
@@ -56,66 +55,6 @@ class _Held:
     lease: Lease
     stop: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future[None] | None = None
-
-
-class _Progress:
-    """The record of one run, written as it goes (by the lease holder only)."""
-
-    def __init__(self, service: JobService, record: dict[str, Any], lease: Lease) -> None:
-        self.service = service
-        self.record = record
-        self.lease = lease
-        self.model = record["model"]
-        self.first = 0
-        self.computed = 0
-        self.written_at = 0.0
-        self.lock = threading.Lock()
-
-    def write(self, *, durable: bool = False, force: bool = False) -> None:
-        """Write the record, at most every :data:`PROGRESS_WRITE_S` unless ``force``; never once
-        the lease is lost (fencing)."""
-        now = time.monotonic()
-        if not force and now - self.written_at < PROGRESS_WRITE_S:
-            return
-        if self.lease.valid():
-            self.service.store.write(self.record, durable=durable)
-            self.written_at = now
-
-    def on_start(self, plan: Any, point: ResumePoint) -> None:
-        """The plan is made: the tiles to do, and those a previous run finished."""
-        with self.lock:
-            record = self.record
-            self.first = point.first_tile if len(plan.flips) == 1 else 0
-            before = int(record.get("tiles_done") or 0) if point.rows_done else 0
-            record.update(
-                tiles_total=plan.n_tiles,
-                tiles_done=min(plan.n_tiles, max(before, self.first)),
-                run_started_at=time.time(),
-                run_tiles=0,
-            )
-            if self.first:
-                self.service.metrics.job_tiles_resumed.labels(self.model).inc(self.first)
-                logger.info("job %s: resumed at tile %d of %d", record["id"], self.first, plan.n_tiles)
-            self.write(force=True)
-
-    def tiles(self, n: int) -> None:
-        """``n`` more tiles computed (the engine's progress callback, batch by batch)."""
-        with self.lock:
-            self.computed += n
-            record = self.record
-            total = int(record.get("tiles_total") or 0)
-            done = max(int(record.get("tiles_done") or 0), self.first + self.computed)
-            record["tiles_done"] = min(total, done)
-            record.update(run_tiles=self.computed, progress_at=time.time())
-            self.service.metrics.tiles.labels(self.model).inc(n)
-            self.service.metrics.job_tiles_computed.labels(self.model).inc(n)
-            self.write()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A slab is on disk: record it (durably, it is what a later run trusts)."""
-        with self.lock:
-            self.record["checkpoint"] = checkpoint
-            self.write(durable=True, force=True)
 
 
 class JobService:
@@ -284,7 +223,7 @@ class JobService:
         self.store.write(record, durable=True)
         self.metrics.jobs.labels(JobState.RUNNING.value).inc()
         logger.info("job %s: running model=%s attempt=%d", job_id, record["model"], record["attempts"])
-        progress = _Progress(self, record, lease)
+        progress = RunProgress(record, lease, self.store, self.metrics)
         folder = self.store.folder(job_id)
 
         def should_stop() -> bool:
@@ -364,8 +303,10 @@ class JobService:
     # -- keeper and scanner -------------------------------------------------------------------------
 
     def _keep(self) -> None:
-        """Renew held leases every third of ``lease_s``; pass on cancellations asked elsewhere."""
-        interval = max(0.05, self.settings.job_lease_s / 3)
+        """Renew held leases (every third of ``lease_s``, or every scan when that is sooner) and
+        pass on cancellations asked of another replica (a queued job is dropped at once; a running
+        one checks for itself before every batch)."""
+        interval = max(0.05, min(self.settings.job_lease_s / 3, self.settings.job_scan_s))
         while not self._closing.wait(interval):
             with self._lock:
                 held = list(self._held.items())

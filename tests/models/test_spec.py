@@ -118,7 +118,15 @@ def test_unparsable_spec(tmp_path: Path) -> None:
 
 def test_repository_builtins_and_lookup(tmp_path: Path) -> None:
     repo = ModelRepository(tmp_path / "missing")
-    assert repo.names() == ["gaussian-2d", "gaussian-3d", "log-2d", "log-3d", "sobel-2d", "sobel-3d"]
+    assert repo.names() == [
+        "gaussian-2d",
+        "gaussian-3d",
+        "log-2d",
+        "log-3d",
+        "sobel-2d",
+        "sobel-3d",
+        "tissue-3d",
+    ]
     with pytest.raises(UnknownModelError, match="did you mean 'sobel-2d'"):
         repo.get("sobel2d")
     with pytest.raises(LookupError):
