@@ -29,11 +29,16 @@ frame: Dice 0.75-0.78 against the whole pass; 192^3: 0.993, neighbouring tiles d
 0.03 on average where they overlap; 224^3: 0.991 and 0.002). Hence the frame here
 (:func:`to_frame`) and the default of one 256^3 tile, the frame itself (``benchmarks/BRAINMASK.md``).
 
-Geometry this module does in numpy/torch until the spec carries it: reorientation to RAS, and the
-brain frame: the box is found without deepbet's second network, as the planes whose foreground
-fraction (above 10 % of the 0.5-99.5 % intensity range) exceeds 2 %, widened by 10 % per side and
-resized to 256^3 ``nearest-exact``. For a skull-stripped volume (the MNI152 template) that is
-deepbet's box; for a whole head it is the head's box, a wider frame than deepbet's.
+The spec says all of this but step 4's post-processing (its own spec fields, applied by
+:mod:`models.mapping` for the server, ``tilewise infer`` and :func:`brain_mask` alike):
+``orientation: RAS``; ``frame: {shape: [256, 256, 256], margin: 0.1}``, the box being found
+without deepbet's second network, as the planes whose foreground fraction (above 10 % of the
+0.5-99.5 % intensity range) exceeds 2 % (for a skull-stripped volume such as the MNI152 template
+that is deepbet's box; for a whole head it is the head's box, a wider frame than deepbet's),
+resampled linearly both ways; the intensity steps of item 3 as ``preprocess``; ``labels``
+``{0: background, 1: brain}`` (the argmax of the two channels is ``p > 0.5``). No ``spacing``:
+deepbet resizes the box whatever the voxel size. :func:`to_frame` and :func:`from_frame` keep
+deepbet's own ``nearest-exact`` resizing, as the reference the benchmark measures against.
 """
 
 from __future__ import annotations
@@ -67,7 +72,6 @@ __all__ = [
     "BRAIN_MASK_SHA256",
     "BrainFrame",
     "FRAME_SHAPE",
-    "SECOND_WAVE_FIELDS",
     "WHEEL_MEMBER",
     "WHEEL_REQUIREMENT",
     "brain_box",
@@ -91,21 +95,9 @@ BRAIN_MASK_SHA256 = "de8ee7c69654d0dd3935dc4a5d84571d8ecf4637a6bfc01df399c4c2bc8
 FRAME_SHAPE = (256, 256, 256)
 #: Fraction of the box size added on each side (deepbet's ``bbox_margin``).
 BOX_MARGIN = 0.1
-#: A plane belongs to the box when more than this fraction of it is foreground (deepbet's
-#: ``get_bbox`` threshold).
-PLANE_FRACTION = 0.02
-#: Foreground: above this fraction of the 0.5-99.5 % intensity range.
-FOREGROUND_LEVEL = 0.1
 #: ``normalize`` step equal to deepbet's ``0.226 * z + 0.449`` (``(z - mean) / std``).
 _AFFINE_MEAN = -0.449 / 0.226
 _AFFINE_STD = 1.0 / 0.226
-#: Spec fields of the second wave (DESIGN.md), not in the schema yet: merge them into
-#: :func:`brain_mask_mapping` once ``models/spec.py`` accepts them. ``spacing`` is absent on
-#: purpose: deepbet resizes the brain's box to 256^3 whatever the voxel size (see module notes).
-SECOND_WAVE_FIELDS: dict[str, Any] = {
-    "orientation": "RAS",
-    "labels": {0: "background", 1: "brain"},
-}
 
 
 def brain_mask_mapping() -> dict[str, Any]:
@@ -135,6 +127,9 @@ def brain_mask_mapping() -> dict[str, Any]:
         "alignment": 32,
         "scale": 1,
         "tile_dependent": True,
+        "orientation": "RAS",
+        "frame": {"shape": list(FRAME_SHAPE), "margin": BOX_MARGIN},
+        "labels": {0: "background", 1: "brain"},
         "preprocess": [
             {"type": "percentile", "lo": 0.5, "hi": 99.5},
             "zscore",
@@ -179,37 +174,23 @@ class BrainFrame:
     box: tuple[slice, slice, slice]
 
 
-def brain_box(
-    volume: npt.NDArray[np.floating[Any]],
-    *,
-    margin: float = BOX_MARGIN,
-    level: float = FOREGROUND_LEVEL,
-    plane_fraction: float = PLANE_FRACTION,
-) -> tuple[slice, slice, slice]:
-    """The foreground's bounding box, widened by ``margin`` of its size per side and clipped.
-
-    Foreground: voxels above ``lo + level * (hi - lo)`` with ``lo, hi`` the 0.5 and 99.5 %
-    percentiles. An axis keeps the planes whose foreground fraction exceeds ``plane_fraction``;
-    centre and size are rounded as deepbet's ``get_bbox_with_margin`` does.
+def brain_box(volume: npt.NDArray[Any], *, margin: float = BOX_MARGIN) -> tuple[slice, slice, slice]:
+    """The foreground's box widened by ``margin`` per side (:func:`models.mapping.foreground_box`).
 
     Args:
-        volume: ``(X, Y, Z)`` finite intensities.
+        volume: ``(X, Y, Z)`` intensities.
 
     Raises:
         InputError: no plane has enough foreground (a blank volume).
     """
-    lo, hi = (float(v) for v in np.percentile(volume, [0.5, 99.5]))
-    fg = volume > lo + level * (hi - lo)
-    box = []
-    for axis, length in enumerate(fg.shape):
-        others = tuple(a for a in range(3) if a != axis)
-        planes = np.flatnonzero(fg.mean(axis=others) > plane_fraction)
-        if planes.size == 0:
-            raise InputError(f"{BRAIN_MASK_NAME}: no foreground to frame (blank volume along axis {axis})")
-        centre = (planes[-1] + 1 + planes[0]) / 2
-        size = (planes[-1] + 1 - planes[0]) * (1 + 2 * margin)
-        centre, size = round(centre), round(size)
-        box.append(slice(max(0, int(centre - size / 2)), min(length, int(centre + size / 2))))
+    from models.mapping import foreground_box
+
+    if np.ndim(volume) != 3:
+        raise InputError(f"{BRAIN_MASK_NAME}: expected a 3-D volume (X, Y, Z), got shape {np.shape(volume)}")
+    try:
+        box = foreground_box(volume, margin=margin)
+    except InputError as exc:
+        raise InputError(f"{BRAIN_MASK_NAME}: {exc}") from None
     return box[0], box[1], box[2]
 
 
@@ -284,24 +265,27 @@ def brain_mask(
     volume: npt.NDArray[Any],
     affine: npt.NDArray[Any],
     params: InferenceParams | None = None,
-    *,
-    interpolation: str = "linear",
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
     """Brain mask and brain probability of a T1-weighted volume, on the volume's own grid.
 
-    Runs ``model`` (``brain-mask-3d``) with ``params`` (default: the spec's plan) on the frame
-    of :func:`to_frame`, maps the brain probability back with :func:`from_frame` and labels
-    ``p > 0.5``.
+    Runs ``model`` (``brain-mask-3d``) as the server does (:func:`models.mapping.run_mapped`: RAS,
+    the spec's frame, its preprocessing, ``params`` or the spec's plan), maps both channels back
+    (linear) and labels ``p(brain) > 0.5``.
 
     Returns:
         ``(X, Y, Z)`` uint8 mask (1 = brain) and ``(X, Y, Z)`` float32 probability.
     """
+    from models.mapping import run_mapped
     from models.params import InferenceParams, OutputKind
 
-    x, frame = to_frame(volume, affine)
     given = (params or InferenceParams()).model_dump(exclude_unset=True)
-    probs = model.run(x, InferenceParams.model_validate({**given, "output": OutputKind.PROBABILITIES}))
-    brain = from_frame(probs[1:2], frame, interpolation=interpolation)[0]
+    run = run_mapped(
+        model,
+        np.asarray(volume)[None],
+        affine,
+        InferenceParams.model_validate({**given, "output": OutputKind.PROBABILITIES}),
+    )
+    brain = run.result[1]
     return (brain > 0.5).astype(np.uint8), brain
 
 

@@ -19,14 +19,16 @@ import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
 from models.calibration import HaloCalibrator
+from models.dependence import ProbeError, TileDependence, probe_tile_dependence
 from models.errors import InputError
-from models.params import InferenceParams, OutputKind
+from models.params import Blend, InferenceParams, OutputKind
 from models.plan import RunPlan
 from models.preprocess import make_reduce, preprocess
 from models.receptive import HaloCalibration
-from models.spec import ModelSpec
-from tiling import Resume, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
+from models.spec import Backend, ModelSpec
+from tiling import Resume, SeamStats, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
 from tiling.geometry import as_ints
+from tiling.plan import round_up
 
 __all__ = ["Model"]
 
@@ -52,6 +54,8 @@ class Model:
         self.calibrator = HaloCalibrator(spec, predictor)
         self.context = predictor if isinstance(predictor, PoolingContext) else None
         self._run_lock = threading.Lock()
+        self._probe_lock = threading.Lock()
+        self._dependence: TileDependence | None = None
 
     def __repr__(self) -> str:
         return (
@@ -62,6 +66,59 @@ class Model:
     def known_receptive_field(self) -> tuple[int, ...] | None:
         """The radius per axis when known (spec, analytic net or a probe already run), else ``None``."""
         return self.calibrator.known_radius
+
+    @property
+    def known_tile_dependent(self) -> bool | None:
+        """The spec's ``tile_dependent``, else the probe's verdict once run, else ``None`` (unknown).
+
+        Analytic models and global-pooling ones (whose pool means come from the whole image, so
+        tiles do not change them) are local without a probe.
+        """
+        spec = self.spec
+        if spec.tile_dependent is not None:
+            return spec.tile_dependent
+        if spec.backend == Backend.ANALYTIC or spec.global_pooling:
+            return False
+        with self._probe_lock:
+            return None if self._dependence is None else self._dependence.tile_dependent
+
+    def is_tile_dependent(self) -> bool:
+        """Whether the network is tile-dependent: :attr:`known_tile_dependent`, else probed now, once.
+
+        The probe (:func:`models.dependence.probe_tile_dependence`) runs on one tile of the spec's
+        default shape (two or three forward passes); the server runs it at warm-up. A tile too
+        small to probe counts as local (logged).
+        """
+        known = self.known_tile_dependent
+        if known is not None:
+            return known
+        spec = self.spec
+        with self._probe_lock:
+            if self._dependence is None:
+                assert spec.defaults.tile is not None
+                tile = as_ints(spec.defaults.tile, spec.spatial_dims, "tile", minimum=1)
+                tile = tuple(round_up(t, spec.alignment) for t in tile)
+                try:
+                    self._dependence = probe_tile_dependence(
+                        self.predictor,
+                        spatial_dims=spec.spatial_dims,
+                        in_channels=spec.in_channels,
+                        tile_shape=tile,
+                        radius=self.known_receptive_field,
+                        alignment=spec.alignment,
+                        device=self.predictor.device,
+                    )
+                except ProbeError as exc:
+                    logger.warning("model %s: tile dependence unprobed (%s): local", spec.name, exc)
+                    return False
+                logger.info(
+                    "model %s: tile-dependent %s (relative change %.3g at tile %s)",
+                    spec.name,
+                    self._dependence.tile_dependent,
+                    self._dependence.relative_change,
+                    tile,
+                )
+            return self._dependence.tile_dependent
 
     def receptive_field(self) -> tuple[int, ...]:
         """Receptive-field radius per axis (voxels): from the spec, else probed once."""
@@ -106,7 +163,16 @@ class Model:
         assert p.blend is not None and p.batch_size is not None and p.output is not None
         tile = as_ints(p.tile, ndim, "tile", minimum=1)
         overlap = as_ints(p.overlap, ndim, "overlap", minimum=0)
-        if p.halo == "auto":
+        blend = p.blend
+        if p.halo == "auto" and self.is_tile_dependent():
+            # no halo reproduces the whole image: no search, the blended default plan
+            given = params.model_fields_set if params is not None else set()
+            halo, source = (0,) * ndim, "tile-dependent"
+            if "overlap" not in given and not any(overlap):
+                overlap = tuple(t // 2 for t in tile)  # nnU-Net's half a tile
+            if "blend" not in given and blend == Blend.CONSTANT:
+                blend = Blend.GAUSSIAN
+        elif p.halo == "auto":
             assert p.halo_tolerance is not None
             halo, source = self._auto_halo(shape, tile, p.halo_tolerance, sample)
         else:
@@ -118,30 +184,20 @@ class Model:
             overlap=overlap,
             alignment=spec.alignment,
             scale=spec.scale,
-            blend=p.blend.value,
+            blend=blend.value,
             # A calibrated halo is an estimate from sampled tiles; the fixed-shape plan keeps the
             # margins it was calibrated with (text-det-2d's calibrated halo 61 errs by 0.023 with
             # tiles sized to the grid). A tile-dependent network's output depends on the tile it
             # sees, so its plans hold at the tile size they were measured at (brain-mask-3d, 192^3
             # tiles over its 256^3 frame: Dice 0.98 against the whole pass; sized to 160^3, 0.966),
             # and it sees the patch shape it was trained on, as in nnU-Net's and MONAI's windows.
-            fixed_tile_shape=p.halo == "auto" or spec.tile_dependent,
+            fixed_tile_shape=p.halo == "auto" or bool(self.known_tile_dependent),
         )
         warning = self._halo_warning(grid, halo) if source == "given" else None
         plan = RunPlan(
-            spec.name,
-            shape,
-            tile,
-            halo,
-            overlap,
-            p.blend,
-            p.batch_size,
-            p.output,
-            source,
-            grid,
-            p.tta,
-            warning,
-        )
+            spec.name, shape, tile, halo, overlap, blend, p.batch_size, p.output, source, grid, p.tta,
+            warning=warning, mirror_axes=spec.mirror_axes,
+        )  # fmt: skip
         logger.info("model %s: plan %s (halo from %s)", spec.name, plan.header(), source)
         return plan
 
@@ -196,12 +252,15 @@ class Model:
         progress: bool | Callable[[int], object] = False,
         should_stop: Callable[[], bool] | None = None,
         resume: Resume | None = None,
+        seam: SeamStats | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
-        With ``tta=mirror`` the plan runs once per flip of the spatial axes and the probabilities
-        (or, with ``output.tta_average: logits``, the logits, as nnU-Net does) are averaged before
-        labels are taken: for a local network, tiled TTA equals whole-image TTA.
+        With ``tta=mirror`` the plan runs once per flip of the spec's ``mirror_axes`` and the
+        probabilities (or, with ``output.tta_average: logits``, the logits, as nnU-Net does) are
+        averaged before labels are taken: for a local network, tiled TTA equals whole-image TTA.
+        ``seam`` (see :meth:`seam_stats`) gathers the disagreement of overlapping tiles over
+        every pass.
 
         Returns:
             ``(C_out, *spatial * scale)`` probabilities after the activation (float32, or float16
@@ -229,7 +288,7 @@ class Model:
         if len(plan.flips) == 1:
             target = out[None] if out is not None and labels else out
             reduce = make_reduce(spec.activation, plan.output.value)
-            result = self._tiled(x, plan, reduce, target, progress, should_stop, resume)
+            result = self._tiled(x, plan, reduce, target, progress, should_stop, resume, seam)
         else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
             logits = spec.output.tta_average == "logits"
             per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
@@ -237,7 +296,7 @@ class Model:
             for axes in plan.flips:
                 dims = tuple(1 + a for a in axes)
                 flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-                y = self._tiled(flipped, plan, per_pass, None, progress, should_stop)
+                y = self._tiled(flipped, plan, per_pass, None, progress, should_stop, None, seam)
                 y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
                 total = y.copy() if total is None else total + y
             assert total is not None
@@ -257,6 +316,21 @@ class Model:
             return first
         return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
 
+    def seam_stats(self, plan: RunPlan) -> SeamStats | None:
+        """A fresh :class:`~tiling.SeamStats` when the run of ``plan`` should report its seam, else ``None``.
+
+        Reported for a tile-dependent model, and for a local one whose halo is below its known
+        receptive-field radius on an axis with more than one tile. Differences are taken after
+        the spec's activation (probabilities, when it has one).
+        """
+        radius = self.known_receptive_field
+        short = radius is not None and any(
+            h < r for h, r, n in zip(plan.halo, radius, plan.grid.grid_shape, strict=True) if n > 1
+        )
+        if not (short or self.is_tile_dependent()):
+            return None
+        return SeamStats(transform=make_reduce(self.spec.activation, "probabilities"))
+
     def _tiled(
         self,
         x: npt.NDArray[np.float32],
@@ -266,6 +340,7 @@ class Model:
         progress: bool | Callable[[int], object],
         should_stop: Callable[[], bool] | None = None,
         resume: Resume | None = None,
+        seam: SeamStats | None = None,
     ) -> npt.NDArray[Any]:
         """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
         from tiling import tiled_inference
@@ -293,6 +368,7 @@ class Model:
                     fixed_tile_shape=plan.grid.fixed_tile_shape,
                     should_stop=should_stop,
                     resume=resume,
+                    seam=seam,
                 )
             finally:
                 if self.context is not None:

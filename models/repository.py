@@ -168,9 +168,9 @@ class ModelRepository:
     def spec(self, name: str) -> ModelSpec:
         """The spec of ``name`` without loading the model.
 
-        When the spec gives no ``receptive_field`` but the loaded model knows it (probed by
-        :meth:`warmup` or by a ``halo="auto"`` run), the copy returned carries the measured radius,
-        so ``spec(name).info()`` (``/v1/models``, the one serializer) reports it.
+        When the spec gives no ``receptive_field`` (or no ``tile_dependent``) but the loaded model
+        knows it (probed by :meth:`warmup` or by a ``halo="auto"`` run), the copy returned carries
+        the measured value, so ``spec(name).info()`` (``/v1/models``, the one serializer) reports it.
 
         Raises:
             UnknownModelError: not registered; the message suggests close matches.
@@ -189,7 +189,10 @@ class ModelRepository:
         if model is not None:
             radius = model.known_receptive_field
             if radius is not None and radius != spec.receptive_field:
-                return spec.with_receptive_field(radius)
+                spec = spec.with_receptive_field(radius)
+            dependent = model.known_tile_dependent
+            if spec.tile_dependent is None and dependent is not None:
+                spec = spec.model_copy(update={"tile_dependent": dependent})
         return spec
 
     def get(self, name: str) -> Model:
@@ -220,9 +223,12 @@ class ModelRepository:
         The pass checks the spec's ``out_channels``, ``alignment`` and ``scale``
         (:func:`models.warmup.check_forward`); a model that fails to load or to pass is listed as
         unavailable (with ``strict``, the error is raised). With ``probe`` (default), a model whose
-        receptive field is unknown (no ``receptive_field`` in its spec, not analytic) is probed now,
-        once: ``halo="auto"`` needs the radius, and :meth:`spec` / ``/v1/models`` then report it
-        (text-det-2d: about 5 s on two CPU cores).
+        spec does not say ``tile_dependent`` is probed for it now, once
+        (:meth:`Model.is_tile_dependent`: two or three passes over one default tile), and a local
+        model whose receptive field is unknown (no ``receptive_field`` in its spec, not analytic) is
+        probed for its radius: ``halo="auto"`` needs both, so no request pays for them, and
+        :meth:`spec` / ``/v1/models`` then report them (text-det-2d's radius: about 5 s on two CPU
+        cores). A tile-dependent model needs no radius (``halo="auto"`` does not search).
         """
         gone = self.unavailable()
         for name in names if names is not None else [n for n in self.names() if n not in gone]:
@@ -231,7 +237,12 @@ class ModelRepository:
                 model = self.get(name)
                 spec = model.spec
                 check_forward(spec, model.predictor)
-                if probe and model.known_receptive_field is None:
+                if probe and model.known_tile_dependent is None:
+                    start = time.perf_counter()
+                    dependent = model.is_tile_dependent()
+                    seconds = time.perf_counter() - start
+                    logger.info("model %s: tile-dependent %s, probed in %.1f s", name, dependent, seconds)
+                if probe and model.known_receptive_field is None and not model.known_tile_dependent:
                     start = time.perf_counter()
                     radius = model.receptive_field()
                     seconds = time.perf_counter() - start

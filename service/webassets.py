@@ -20,8 +20,9 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
-import urllib.request
 from pathlib import Path
+
+import httpx
 
 __all__ = [
     "DEFAULT_WEB_DIR",
@@ -100,10 +101,13 @@ def _download(folder: Path) -> Path:
     url = f"{registry.rstrip('/')}/{NIIVUE_PACKAGE}/-/{name}-{NIIVUE_VERSION}.tgz"
     target = folder / f"{name}-{NIIVUE_VERSION}.tgz"
     logger.info("npm not found: downloading %s", url)
-    try:
-        with urllib.request.urlopen(url, timeout=_TIMEOUT_S) as answer, target.open("wb") as sink:
-            shutil.copyfileobj(answer, sink)
-    except OSError as exc:
+    try:  # httpx: certifi's CA bundle (a bare base image may lack the system's) and *_PROXY
+        answers = httpx.stream("GET", url, timeout=_TIMEOUT_S, follow_redirects=True)
+        with answers as answer, target.open("wb") as sink:
+            answer.raise_for_status()
+            for block in answer.iter_bytes(1 << 20):
+                sink.write(block)
+    except (httpx.HTTPError, OSError) as exc:
         raise WebAssetError(f"cannot download {url}: {exc}") from exc
     return target
 

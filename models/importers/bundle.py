@@ -27,6 +27,7 @@ import json
 import logging
 import pydoc
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,12 +76,12 @@ def _bundle_root(source: Path) -> Iterator[Path]:
 
 def _monai() -> Any:
     try:
-        from monai.bundle import ConfigParser
+        import monai.bundle
     except ImportError as exc:
         raise ImportRefusedError(
             "reading a MONAI bundle needs MONAI: pip install 'tilewise[import]' (serving does not)"
         ) from exc
-    return ConfigParser
+    return getattr(monai.bundle, "ConfigParser")  # noqa: B009 (not re-exported for mypy)
 
 
 def _args(component: Any) -> tuple[str, dict[str, Any]]:
@@ -88,7 +89,7 @@ def _args(component: Any) -> tuple[str, dict[str, Any]]:
     module_name = component.resolve_module_name()
     args = dict(component.resolve_args())
     target = pydoc.locate(module_name) if isinstance(module_name, str) else None
-    if target is not None:
+    if callable(target):
         with contextlib.suppress(TypeError, ValueError):
             for key, param in inspect.signature(target).parameters.items():
                 if param.default is not inspect.Parameter.empty:
@@ -219,7 +220,10 @@ def _network(parser: Any, root: Path, where: str) -> nn.Module:
         load_weights(network, weights, str(root.name))
         return network.eval()
     if script.is_file():
-        return torch.jit.load(str(script), map_location="cpu").eval()  # type: ignore[no-untyped-call]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript deprecation notices
+            module: nn.Module = torch.jit.load(str(script), map_location="cpu")  # type: ignore[no-untyped-call]
+        return module.eval()
     raise ImportRefusedError(f"{root}: neither 'network_def' with models/model.pt nor models/model.ts")
 
 

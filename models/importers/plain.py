@@ -163,7 +163,9 @@ def import_file(source: Path, *, name: str | None, models_dir: Path, fmt: str | 
     else:
         from models.importers.convert import export_network
 
-        module = torch.jit.load(str(source), map_location="cpu")  # type: ignore[no-untyped-call]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript deprecation notices
+            module = torch.jit.load(str(source), map_location="cpu")  # type: ignore[no-untyped-call]
         shape = [default_tile(facts.spatial_dims, facts.alignment)] * facts.spatial_dims
         export_network(
             module,

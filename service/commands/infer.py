@@ -112,13 +112,14 @@ def _run(args: argparse.Namespace) -> int:
         for suffix in FORMAT_SUFFIXES.values():  # a failed write leaves no partial output behind
             stem.with_name(stem.name + suffix).unlink(missing_ok=True)
     logger.info(
-        "wrote %s (%s, %s %s, shape %s; plan %s) in %.2f s",
+        "wrote %s (%s, %s %s, shape %s; plan %s%s) in %.2f s",
         target,
         result.format,
         result.output_kind,
         result.output_dtype,
         result.output_shape,
         result.plan.header(),
+        "" if result.seam is None else f"; seam {result.seam.header()}",
         result.seconds,
     )
     return 0

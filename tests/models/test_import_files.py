@@ -166,3 +166,24 @@ def test_what_import_refuses_in_nnunet_folders(tmp_path: Path, capsys: Any) -> N
     assert "no fold_*/checkpoint_final.pth" in _refused(capsys, str(folder), "--models", str(tmp_path / "m"))
     folder = write_nnunet_folder(tmp_path / "regions2", dataset=regions, folds=(0,))
     assert "region-based labels" in _refused(capsys, str(folder), "--models", str(tmp_path / "m"))
+
+
+def test_zipped_bundle_with_a_torchscript_network(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A bundle shipped as a zip, holding ``models/model.ts`` instead of ``network_def`` + model.pt."""
+    need("monai")
+    import zipfile
+
+    bundle = tmp_path / "ts_bundle"
+    net = write_monai_bundle(bundle)
+    _save(net, bundle / "models" / "model.ts", torch.zeros(1, 1, 48, 48, 48))
+    (bundle / "models" / "model.pt").unlink()
+    with zipfile.ZipFile(tmp_path / "ts_bundle.zip", "w") as archive:
+        for path in bundle.rglob("*"):
+            archive.write(path, Path("ts_bundle") / path.relative_to(bundle))
+    assert main(["import-model", str(tmp_path / "ts_bundle.zip"), "--models", str(tmp_path / "m")]) == 0
+    model = ModelRepository(tmp_path / "m", device="cpu").get("tissue-unet")
+    x = rng.uniform(0, 100, (1, 48, 48, 48)).astype(np.float32)  # one roi: no padding, one tile
+    got = model.run(x, parse_params({"output": "probabilities"}))
+    with torch.inference_mode():
+        expected = torch.softmax(net(torch.from_numpy(x / 100)[None]), 1)[0].numpy()
+    assert np.abs(got - expected).max() <= 1e-5

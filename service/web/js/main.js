@@ -34,6 +34,8 @@ const showLocation = (text) => {
 const volumes = new VolumeView($("view3d"), $("canvas-box"), showLocation);
 const images = new ImageView($("view2d"), showLocation);
 let view = null;
+// The viewers, for scripting the page from the browser's console (and for its tests).
+window.tilewise = { volumes, images };
 
 function updateButtons() {
   ui.run.disabled = state.running || !form.ready();
@@ -110,6 +112,8 @@ async function run() {
       await showResult(model, file, last);
       setProgress(1);
       say(`done · ${progressText(last).replace(/^done · /, "")}`);
+      // One column (a phone): bring the result into view when it lies below the screen.
+      if (ui.result.getBoundingClientRect().top > window.innerHeight) ui.result.scrollIntoView({ block: "start" });
     } else if (end === "failed") {
       const error = last.error || {};
       fail(new ApiError(0, error.error || "failed", error.detail || ""));

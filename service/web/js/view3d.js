@@ -111,6 +111,9 @@ export class VolumeView {
       facts.range = [lo, hi];
     }
     over.opacity = meta.opacity;
+    // Labels are ids, never blended: nearest-neighbour sampling (a slice between two voxel planes
+    // would otherwise mix their colours). Probabilities and the input stay smooth.
+    nv.setInterpolation(meta.kind === "labels");
     nv.setSliceType(nv.sliceTypeMultiplanar);
     nv.updateGLVolume();
     this.output = over;
@@ -132,7 +135,8 @@ export class VolumeView {
     const values = data.values || [];
     const input = values[0] ? values[0].value : NaN;
     const output = values[1] ? values[1].value : NaN;
-    let text = `Crosshair at voxel ${data.vox.join(", ")}: input ${format(input)}`;
+    const mm = Array.from(data.mm.slice(0, 3), (v) => v.toFixed(1)).join(", ");
+    let text = `Crosshair at ${mm} mm (voxel ${data.vox.join(", ")}): input ${format(input)}`;
     if (this.kind === "labels") {
       const id = Math.round(output);
       text += `, output ${this.labels[id] ?? `label ${id}`} (${id})`;

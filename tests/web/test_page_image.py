@@ -1,0 +1,102 @@
+"""The page with a 2D image: scikit-image's page through text-det-2d, the text probability drawn
+over the page.
+
+The text boxes are the model's own (connected regions of probability > 0.3 in the result file);
+that they sit on the printed text is checked independently, against the page's dark (ink) pixels.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+import tifffile
+from _browser import screenshot_array, wait_for_end
+from PIL import Image
+from scipy import ndimage as ndi
+from skimage import data, filters
+
+pytestmark = pytest.mark.slow
+
+RAMP_THRESHOLD = 0.1  # palette.js: probabilities below 10 % of the range are not drawn
+
+
+def _canvas_rgb(page: Any) -> np.ndarray:
+    """The 2D view's canvas, pixel for pixel (one canvas pixel per image pixel)."""
+    url = page.evaluate("() => document.getElementById('view2d').toDataURL('image/png')")
+    with Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as image:
+        return np.asarray(image.convert("RGB")).astype(int)
+
+
+def _coloured(rgb: np.ndarray) -> np.ndarray:
+    """Pixels the overlay drew on: the page is grey (r = g = b), the ramp is red to yellow."""
+    return (rgb.max(axis=-1) - rgb.min(axis=-1)) > 24
+
+
+def _boxes(prob: np.ndarray) -> tuple[list[tuple[slice, slice]], np.ndarray]:
+    """The model's text boxes (bounding boxes of probability > 0.3), and their union grown by 2 px."""
+    labelled, _ = ndi.label(prob > 0.3)
+    boxes = [b for b in ndi.find_objects(labelled) if b is not None]
+    grown = np.zeros(prob.shape, bool)
+    for rows, cols in boxes:
+        grown[max(rows.start - 2, 0) : rows.stop + 2, max(cols.start - 2, 0) : cols.stop + 2] = True
+    return boxes, grown
+
+
+def test_text_probability_over_the_page(server, new_page, recorder, page_png, artifacts) -> None:
+    page = new_page(1280, 800)
+    page.goto(f"{server.url}/")
+    page.wait_for_function("() => !document.getElementById('model').disabled")
+    page.select_option("#model", "text-det-2d")
+    page.set_input_files("#file", str(page_png))
+    with page.expect_response(lambda r: r.url.endswith("/result") and r.status == 200) as answer:
+        page.click("#run")
+        status = wait_for_end(page)
+    assert status.startswith("done"), (status, page.text_content("#error"))
+    assert page.text_content("#percent") == "100 %"
+    prob = tifffile.imread(io.BytesIO(answer.value.body()))
+    grey = data.page()
+    assert prob.shape == grey.shape
+
+    # the canvas holds the page with the overlay exactly where the output is drawn
+    rgb = _canvas_rgb(page)
+    assert rgb.shape[:2] == grey.shape
+    drawn = _coloured(rgb)
+    lo, hi = min(0.0, float(prob.min())), float(prob.max())
+    expected = (prob - lo) / (hi - lo) >= RAMP_THRESHOLD
+    assert (drawn & expected).sum() / (drawn | expected).sum() >= 0.98
+    untouched = ~expected
+    assert np.abs(rgb[untouched] - grey[untouched][:, None]).max() <= 1  # the page itself, unchanged
+
+    # ... inside the model's text boxes, every box lit; and those boxes are on the ink
+    boxes, grown = _boxes(prob)
+    assert len(boxes) >= 5
+    assert (drawn & grown).sum() / drawn.sum() >= 0.98
+    assert all(drawn[rows, cols].any() for rows, cols in boxes)
+    ink = grey < filters.threshold_local(grey.astype(float), block_size=35, offset=15)
+    inside = np.zeros(grey.shape, bool)
+    for rows, cols in boxes:
+        inside[rows, cols] = True
+    assert ink[inside].mean() >= 4 * ink[~inside].mean()
+
+    # what the screen shows (the canvas scaled to the panel) lines up as well
+    shot = screenshot_array(page.locator("#view2d"), artifacts / "image-canvas.png")
+    scaled = np.asarray(Image.fromarray(shot).resize(grey.shape[::-1], Image.NEAREST)).astype(int)
+    on_screen = _coloured(scaled)
+    assert (on_screen & expected).sum() / (on_screen | expected).sum() >= 0.8
+    page.screenshot(path=str(artifacts / "page-2d.png"))
+
+    # the legend is the ramp with the output's range; the plan is beside it
+    assert "below" in page.inner_text("#legend") and page.locator("#legend canvas.ramp").count() == 1
+    terms = page.locator("#facts dt").all_inner_texts()
+    assert {"tile", "halo", "overlap", "tiles", "work"} <= set(terms)
+    link = page.locator("#download")
+    assert link.is_visible() and link.get_attribute("download") == "text-det-2d-output.tiff"
+    with page.expect_download() as download:
+        link.click()
+    saved = download.value.path()
+    assert np.array_equal(tifffile.imread(saved), prob)  # the button gives the output file itself
+    recorder.check()
