@@ -43,8 +43,8 @@ __all__ = ["JobService"]
 
 logger = logging.getLogger(__name__)
 
-#: A job that has started this many runs without finishing (each ended by its server dying, or by a
-#: graceful stop) fails instead of taking a next server down with it.
+#: A job whose runs ended this many times with their server dying (killed, out of memory; a graceful
+#: stop does not count) fails instead of taking a next server down with it.
 MAX_ATTEMPTS = 5
 
 
@@ -215,8 +215,8 @@ class JobService:
             return
         record["attempts"] = int(record.get("attempts") or 0) + 1
         if record["attempts"] > MAX_ATTEMPTS:
-            error = {"error": "too_many_attempts", "detail": f"the job was started {MAX_ATTEMPTS} times "
-                     "without finishing (each time its server stopped or died)"}  # fmt: skip
+            detail = f"the servers running the job died {MAX_ATTEMPTS} times before it finished"
+            error = {"error": "too_many_attempts", "detail": detail}
             self._finish(record, lease, JobState.FAILED, error=error)
             return
         record.update(state=JobState.RUNNING.value, started_at=record.get("started_at") or time.time())
@@ -251,6 +251,7 @@ class JobService:
                     self._finish(record, lease, JobState.CANCELLED)
                 elif lease.valid():  # the server stops: another replica continues from the last slab
                     record["state"] = JobState.QUEUED.value
+                    record["attempts"] -= 1  # a graceful stop is no failed attempt
                     self.store.write(record, durable=True)
                     logger.info("job %s: stopped with its server; left for another replica", job_id)
         except Exception as exc:
