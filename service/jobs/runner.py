@@ -88,7 +88,6 @@ class JobService:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._last_scan = time.monotonic()
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -118,11 +117,6 @@ class JobService:
         for job_id, h in held:
             h.lease.release()
             logger.info("job %s released for another replica", job_id)
-
-    @property
-    def last_scan_age_s(self) -> float:
-        """Seconds since the scanner last looked (a liveness hint)."""
-        return time.monotonic() - self._last_scan
 
     # -- submission and cancellation ----------------------------------------------------------------
 
@@ -328,7 +322,6 @@ class JobService:
         orphan_s = 2 * self.settings.upload_idle_s + 60
         next_sweep = 0.0
         while not self._closing.wait(self.settings.job_scan_s):
-            self._last_scan = time.monotonic()
             try:
                 self.scan()
                 if time.monotonic() >= next_sweep:
