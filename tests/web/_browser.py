@@ -38,7 +38,7 @@ ARTIFACTS = Path(
 #: The key of the server that needs one (``key_server``).
 API_KEY = "page-test-key"
 #: How long a page may wait for a job (the runner's two shared cores are slow).
-JOB_TIMEOUT_MS = 240_000
+JOB_TIMEOUT_MS = 420_000
 
 
 def chromium_or_skip() -> str:

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 from _browser import API_KEY, ARGS, ARTIFACTS, Recorder, chromium_or_skip
-from _stand_in import write_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))  # the shared server helper
 from _svc_helpers import Server, start_server, stop_server  # noqa: E402
@@ -38,11 +37,10 @@ def viewer_web_dir(tmp_path_factory: pytest.TempPathFactory, session_web_dir: Pa
 
 @pytest.fixture(scope="session")
 def web_models_dir(tmp_path_factory: pytest.TempPathFactory, text_det_dir: Path) -> Path:
-    """text-det-2d and the three-label volume model (until tissue-3d is built in)."""
+    """text-det-2d (tissue-3d and the analytic models are built in)."""
     folder = tmp_path_factory.mktemp("web-models")
     for path in text_det_dir.iterdir():
         shutil.copyfile(path, folder / path.name)
-    write_model(folder)
     return folder
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tifffile
-from _browser import screenshot_array, wait_for_end
+from _browser import JOB_TIMEOUT_MS, screenshot_array, wait_for_end
 from PIL import Image
 from scipy import ndimage as ndi
 from skimage import data, filters
@@ -52,7 +52,9 @@ def test_text_probability_over_the_page(server, new_page, recorder, page_png, ar
     page.wait_for_function("() => !document.getElementById('model').disabled")
     page.select_option("#model", "text-det-2d")
     page.set_input_files("#file", str(page_png))
-    with page.expect_response(lambda r: r.url.endswith("/result") and r.status == 200) as answer:
+    with page.expect_response(
+        lambda r: r.url.endswith("/result") and r.status == 200, timeout=JOB_TIMEOUT_MS
+    ) as answer:
         page.click("#run")
         status = wait_for_end(page)
     assert status.startswith("done"), (status, page.text_content("#error"))
@@ -99,4 +101,61 @@ def test_text_probability_over_the_page(server, new_page, recorder, page_png, ar
         link.click()
     saved = download.value.path()
     assert np.array_equal(tifffile.imread(saved), prob)  # the button gives the output file itself
+    recorder.check()
+
+
+def _run(page: Any, url: str, path: Any, model: str = "text-det-2d", output: str = "") -> Any:
+    page.goto(url)
+    page.wait_for_function("() => !document.getElementById('model').disabled")
+    page.select_option("#model", model)
+    page.set_input_files("#file", str(path))
+    if output:
+        page.click("#options summary")
+        page.select_option("#opt-output", output)
+    with page.expect_response(
+        lambda r: r.url.endswith("/result") and r.status == 200, timeout=JOB_TIMEOUT_MS
+    ) as answer:
+        page.click("#run")
+        status = wait_for_end(page)
+    assert status.startswith("done"), (status, page.text_content("#error"))
+    return answer.value
+
+
+def test_label_png_over_the_page(server, new_page, recorder, page_png) -> None:
+    """output=labels: a palette PNG, decoded by the page itself (the browser would give colours,
+    not ids); label 1 drawn in its colour at the slider's 60 % over the page, label 0 not at all."""
+    page = new_page()
+    answer = _run(page, f"{server.url}/", page_png, output="labels")
+    with Image.open(io.BytesIO(answer.body())) as image:
+        assert image.mode == "P"
+        labels = np.asarray(image)
+    assert set(np.unique(labels)) == {0, 1}
+    rgb = _canvas_rgb(page)
+    grey = data.page().astype(float)
+    text = labels == 1
+    blend = 0.6 * np.array([255, 0, 0]) + 0.4 * grey[text][:, None]  # LABEL_PALETTE[1] is red
+    assert np.abs(rgb[text] - blend).max() <= 1
+    assert np.abs(rgb[~text] - grey[~text][:, None]).max() <= 1
+    legend = page.inner_text("#legend")
+    assert "label 0 (0), not drawn" in legend and "label 1 (1)" in legend
+    recorder.check()
+
+
+@pytest.mark.parametrize("compression", ["zlib", "lzw"])
+def test_tiff_input_drawn_by_the_page(server, new_page, recorder, tmp_path, compression) -> None:
+    """Browsers cannot show TIFF: the page decodes it (deflate with the horizontal predictor, LZW)
+    and draws the page under the overlay exactly."""
+    grey = data.page()
+    path = tmp_path / f"page-{compression}.tiff"
+    predictor = 2 if compression == "zlib" else None
+    tifffile.imwrite(path, grey, compression=compression, predictor=predictor, rowsperstrip=40)
+    page = new_page()
+    answer = _run(page, f"{server.url}/", path)
+    prob = tifffile.imread(io.BytesIO(answer.body()))
+    rgb = _canvas_rgb(page)
+    lo, hi = min(0.0, float(prob.min())), float(prob.max())
+    untouched = (prob - lo) / (hi - lo) < RAMP_THRESHOLD
+    assert untouched.mean() > 0.5
+    stretched = (grey.astype(float) - grey.min()) * 255 / (int(grey.max()) - int(grey.min()))
+    assert np.abs(rgb[untouched] - stretched[untouched][:, None]).max() <= 1
     recorder.check()

@@ -31,6 +31,7 @@ export class RunForm {
     this.drop = document.getElementById("drop");
     this.fileName = document.getElementById("file-name");
     this.tta = document.getElementById("opt-tta");
+    this.output = document.getElementById("opt-output");
     this.select.addEventListener("change", () => this.modelChanged());
     this.input.addEventListener("change", () => this.setFile(this.input.files[0] || null));
     this.drop.addEventListener("keydown", (event) => {
@@ -82,6 +83,7 @@ export class RunForm {
     for (const name of OPTIONS) {
       document.getElementById(`opt-${name}`).placeholder = text(defaults[name]);
     }
+    this.output.options[0].textContent = `model default${defaults.output ? ` (${defaults.output})` : ""}`;
     this.onChange();
   }
 
@@ -98,6 +100,7 @@ export class RunForm {
       const value = document.getElementById(`opt-${name}`).value.replace(/\s+/g, "");
       if (value) out[name] = value;
     }
+    if (this.output.value) out.output = this.output.value;
     if (this.tta.value !== "none") out.tta = this.tta.value;
     return out;
   }

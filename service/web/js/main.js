@@ -98,15 +98,11 @@ async function run() {
     state.job = job;
     say(progressText(job));
     let last = job;
-    const end = await api.follow(
-      job.id,
-      (name, status) => {
-        last = status;
-        setProgress(status.progress);
-        say(progressText(status));
-      },
-      state.abort.signal,
-    );
+    const end = await follow(job.id, (status) => {
+      last = status;
+      setProgress(status.progress);
+      say(progressText(status));
+    });
     if (end === "done") {
       say("done · loading the result…");
       await showResult(model, file, last);
@@ -132,6 +128,21 @@ async function run() {
     state.running = false;
     state.abort = null;
     updateButtons();
+  }
+}
+
+/** The job's events until its end; a stream cut short (a proxy, a restarted replica) is opened
+ * again, up to five times in a row, since any replica answers for any job. */
+async function follow(id, onStatus) {
+  for (let failures = 0; ; ) {
+    try {
+      return await api.follow(id, (name, status) => onStatus(status), state.abort.signal);
+    } catch (error) {
+      const retry = error.name === "TypeError" || (error instanceof ApiError && error.code === "stream_ended");
+      if (!retry || ++failures > 5) throw error;
+      say(`${ui.status.textContent.split(" · reconnecting")[0]} · reconnecting…`);
+      await new Promise((resolve) => setTimeout(resolve, 1000));
+    }
   }
 }
 
