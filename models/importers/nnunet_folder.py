@@ -12,7 +12,7 @@ Read with nnU-Net's own classes (``PlansManager``, the trainer's ``build_network
   the reader's axis order (SimpleITK's ``(z, y, x)`` is the reverse of the NIfTI array order that
   tilewise decodes);
 - ``fold_*/checkpoint_final.pth``: the weights of each fold (read with ``weights_only=True``),
-  ``inference_allowed_mirroring_axes`` -> ``tta: mirror`` by default.
+  ``inference_allowed_mirroring_axes`` -> ``mirror_axes`` and ``tta: mirror`` by default.
 
 The folds become one :class:`~models.importers.convert.MeanOfNets` (the mean of their logits, before
 the softmax, as ``nnUNetPredictor`` averages them), wrapped in
@@ -55,7 +55,7 @@ from models.importers.convert import (
 )
 from models.importers.probe import probe_network
 
-__all__ = ["import_nnunet"]
+__all__ = ["import_nnunet", "mirror_axes"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +193,19 @@ def _axis_order(plans: dict[str, Any], dims: int) -> tuple[list[int], bool]:
     return [dims - 1 - a if reverse else a for a in forward], reader == "NibabelIOWithReorient"
 
 
+def mirror_axes(axes: Any, order: list[int]) -> list[int] | None:
+    """The checkpoint's ``inference_allowed_mirroring_axes`` (network axes) as tilewise axes, sorted.
+
+    >>> mirror_axes((1, 2), [2, 1, 0])  # SimpleITK's (z, y, x): y and x are tilewise axes 1 and 0
+    [0, 1]
+    >>> mirror_axes(None, [0, 1, 2]) is None
+    True
+    """
+    if axes is None:
+        return None
+    return sorted(order[int(a)] for a in axes)
+
+
 def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str) -> WrittenModel:
     """Import an nnU-Net v2 trained-model folder into ``models_dir`` as ``NAME.yaml`` plus weights.
 
@@ -232,8 +245,7 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
     facts = probe_network(
         net, name=name, spatial_dims=dims, in_channels=channels, tile_shape=tile, alignment=alignment
     )
-    mirror = checkpoints[0].get("inference_allowed_mirroring_axes")
-    mirror_all = mirror is not None and sorted(int(m) for m in mirror) == list(range(dims))
+    mirror = mirror_axes(checkpoints[0].get("inference_allowed_mirroring_axes"), order)
     models_dir.mkdir(parents=True, exist_ok=True)
     weights = models_dir / f"{name}{FORMATS[fmt]}"
     diff = export_network(
@@ -269,9 +281,11 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
             "overlap": [t // 2 for t in tile] if facts.tile_dependent else 0,
             "blend": "triangular" if facts.tile_dependent else "constant",
             "batch_size": 1,
-            "tta": "mirror" if mirror_all else "none",
+            "tta": "mirror" if mirror is not None else "none",
         },
     }
+    if mirror is not None and mirror != list(range(dims)):
+        mapping["mirror_axes"] = mirror
     if facts.receptive_field is not None:
         mapping["receptive_field"] = list(facts.receptive_field)
     trainer = checkpoints[0].get("trainer_name")
@@ -280,6 +294,4 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         f"{len(nets)} fold(s) averaged as logits; {fmt} parity with the eager folds: max abs diff {diff:.2g}",
         "not reproduced: cropping to the non-zero bounding box, spline resampling, float16 accumulation",
     ]
-    if mirror is not None and not mirror_all:
-        notes.append(f"nnU-Net mirrors axes {list(mirror)} only; tilewise's tta=mirror all: off by default")
     return write_model(mapping, weights, models_dir, "\n".join(notes))

@@ -43,8 +43,8 @@ __all__ = ["JobService"]
 
 logger = logging.getLogger(__name__)
 
-#: A job that has started this many runs without finishing (each ended by its server dying, or by a
-#: graceful stop) fails instead of taking a next server down with it.
+#: A job whose runs ended this many times with their server dying (killed, out of memory; a graceful
+#: stop does not count) fails instead of taking a next server down with it.
 MAX_ATTEMPTS = 5
 
 
@@ -88,7 +88,6 @@ class JobService:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._last_scan = time.monotonic()
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -118,11 +117,6 @@ class JobService:
         for job_id, h in held:
             h.lease.release()
             logger.info("job %s released for another replica", job_id)
-
-    @property
-    def last_scan_age_s(self) -> float:
-        """Seconds since the scanner last looked (a liveness hint)."""
-        return time.monotonic() - self._last_scan
 
     # -- submission and cancellation ----------------------------------------------------------------
 
@@ -215,8 +209,8 @@ class JobService:
             return
         record["attempts"] = int(record.get("attempts") or 0) + 1
         if record["attempts"] > MAX_ATTEMPTS:
-            error = {"error": "too_many_attempts", "detail": f"the job was started {MAX_ATTEMPTS} times "
-                     "without finishing (each time its server stopped or died)"}  # fmt: skip
+            detail = f"the servers running the job died {MAX_ATTEMPTS} times before it finished"
+            error = {"error": "too_many_attempts", "detail": detail}
             self._finish(record, lease, JobState.FAILED, error=error)
             return
         record.update(state=JobState.RUNNING.value, started_at=record.get("started_at") or time.time())
@@ -251,6 +245,7 @@ class JobService:
                     self._finish(record, lease, JobState.CANCELLED)
                 elif lease.valid():  # the server stops: another replica continues from the last slab
                     record["state"] = JobState.QUEUED.value
+                    record["attempts"] -= 1  # a graceful stop is no failed attempt
                     self.store.write(record, durable=True)
                     logger.info("job %s: stopped with its server; left for another replica", job_id)
         except Exception as exc:
@@ -327,7 +322,6 @@ class JobService:
         orphan_s = 2 * self.settings.upload_idle_s + 60
         next_sweep = 0.0
         while not self._closing.wait(self.settings.job_scan_s):
-            self._last_scan = time.monotonic()
             try:
                 self.scan()
                 if time.monotonic() >= next_sweep:

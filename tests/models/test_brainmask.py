@@ -5,7 +5,7 @@ and >= 0.98 against the network's whole-volume pass. The default plan is one til
 frame (the spec's ``frame``, in RAS), i.e. the whole-volume pass itself, here through
 :func:`brain_mask` (the server's mapping). The tiled plan for a smaller memory budget (224^3 tiles,
 2x2x2 over the frame, Gaussian blend: measured in benchmarks/BRAINMASK.md at Dice 0.991 against the
-whole pass and a seam mean of 0.005, where 192^3 tiles disagree by 0.25 on average and 128^3 tiles
+whole pass and a seam mean of 0.002, where 192^3 tiles disagree by 0.03 on average and 128^3 tiles
 fall to Dice 0.75-0.78) is checked over HTTP, with ``X-Tilewise-Seam``, in
 ``tests/service/test_medical_http.py``.
 

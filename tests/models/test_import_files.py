@@ -187,3 +187,11 @@ def test_zipped_bundle_with_a_torchscript_network(tmp_path: Path, rng: np.random
     with torch.inference_mode():
         expected = torch.softmax(net(torch.from_numpy(x / 100)[None]), 1)[0].numpy()
     assert np.abs(got - expected).max() <= 1e-5
+
+
+def test_nnunet_mirror_axes_follow_the_reader_axis_order() -> None:
+    from models.importers.nnunet_folder import mirror_axes
+
+    assert mirror_axes((1, 2), [2, 1, 0]) == [0, 1]  # SimpleITK (z, y, x): mirror y, x = NIfTI x, y
+    assert mirror_axes((0,), [2, 1, 0]) == [2]
+    assert mirror_axes((0, 1, 2), [0, 1, 2]) == [0, 1, 2] and mirror_axes(None, [0, 1]) is None

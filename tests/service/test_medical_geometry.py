@@ -160,3 +160,31 @@ def test_a_stopped_job_resumes_on_the_model_grid(anatomical_path: Path, tmp_path
     assert len(batches) <= grid.n_tiles - per_row  # the finished tile row was not run again
     np.testing.assert_array_equal(resumed.result, whole.result)
     assert grid.grid_shape[0] >= 3 and resumed.plan.header() == whole.plan.header()
+
+
+def test_2d_images_run_native_and_2d_niftis_are_resampled(tmp_path: Path) -> None:
+    """A PNG has no voxel size: a 2D model with a ``spacing`` runs it on its own grid. A NIfTI
+    ``(X, Y, 1)`` at 1 mm goes to the model's 0.5 mm and back."""
+    import yaml
+    from PIL import Image
+
+    spec = {
+        "name": "smooth-2d",
+        "backend": "analytic",
+        "architecture": "gaussian",
+        "spatial_dims": 2,
+        "in_channels": 1,
+        "out_channels": 1,
+        "params": {"kind": "gaussian", "sigma": 1.0, "truncate": 4.0},
+        "spacing": [0.5, 0.5],
+        "defaults": {"tile": 64, "halo": 4},
+    }
+    (tmp_path / "smooth-2d.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    model = ModelRepository(tmp_path, device="cpu").get("smooth-2d")
+    pixels = (np.arange(40 * 30).reshape(40, 30) % 251).astype(np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "image.png")
+    png = run_file(model, tmp_path / "image.png", tmp_path / "png-out", parse_params({}))
+    assert png.model_shape == (40, 30) and png.output_shape == (1, 40, 30)
+    nib.save(nib.Nifti1Image(pixels.T[:, :, None].astype(np.float32), np.eye(4)), tmp_path / "slice.nii.gz")
+    nii = run_file(model, tmp_path / "slice.nii.gz", tmp_path / "nii-out", parse_params({}))
+    assert nii.model_shape == (60, 80) and nib.load(nii.path).shape[:3] == (30, 40, 1)
