@@ -33,6 +33,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from models.model import Model
     from models.plan import RunPlan
 
-__all__ = ["LOCAL_WORKERS", "DaskPass", "WorkerModel", "dask_client", "default_chunk"]
+__all__ = ["LOCAL_WORKERS", "ClusterRoute", "DaskPass", "WorkerModel", "dask_client", "default_chunk"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class DaskPass:
         models_dir, device, strict, torch_threads: how workers load the model (:class:`WorkerModel`).
         chunk: chunk per axis (voxels); ``None``: :func:`default_chunk`.
         on_stage: called with a short description at each stage of a pass (a job's ``stage``).
+        on_plan: called with the plan before the first pass (a job's ``tiles_total``).
         chunks_run: chunks of the last pass (for logs and tests).
     """
 
@@ -129,7 +131,9 @@ class DaskPass:
     torch_threads: int | None = None
     chunk: int | tuple[int, ...] | None = None
     on_stage: Callable[[str], object] | None = None
+    on_plan: Callable[[RunPlan], object] | None = None
     chunks_run: int = 0
+    passes: int = 0
     _loaded: set[WorkerModel] = field(default_factory=set)
 
     def __enter__(self) -> DaskPass:
@@ -170,6 +174,9 @@ class DaskPass:
         from tiling.distributed import DistributedError, plan_chunks, tiled_inference_dask
 
         spec = model.spec
+        if self.passes == 0 and self.on_plan is not None:
+            self.on_plan(plan)
+        self.passes += 1
         if model.context is not None:
             raise DistributedError(
                 f"model {spec.name!r} pools over the whole image (its pool means are prepared in "
@@ -216,17 +223,18 @@ class DaskPass:
     def _stage(self, text: str) -> None:
         logger.info("dask: %s", text)
         if self.on_stage is not None:
-            self.on_stage(text)
+            self.on_stage(f"dask: {text}")
 
 
 @contextlib.contextmanager
-def dask_client(address: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> Iterator[tuple[Any, int | None]]:
+def dask_client(address: str, *, timeout_s: float | None = None) -> Iterator[tuple[Any, int | None]]:
     """A ``distributed.Client`` for ``address``, closed (with its local cluster) on exit.
 
     Args:
         address: ``local`` (:data:`LOCAL_WORKERS` worker processes), ``local:N`` (``N >= 1``), or
             a scheduler address (``tcp://host:8786``, ``tls://...``).
-        timeout_s: seconds to wait for the scheduler (or the local workers).
+        timeout_s: seconds to wait for the scheduler (or the local workers); default
+            :data:`CONNECT_TIMEOUT_S`.
 
     Yields:
         ``(client, n_local)``: the client, and the local cluster's worker count (``None`` for a
@@ -244,6 +252,7 @@ def dask_client(address: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> Iterat
             "--dask needs the `distributed` extra: pip install 'tilewise[distributed]'"
         ) from exc
     n_local = _local_workers(address)
+    timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
     with contextlib.ExitStack() as stack:
         try:
             if n_local is not None:
@@ -275,3 +284,61 @@ def _local_workers(address: str) -> int | None:
 def local_torch_threads(n_workers: int) -> int:
     """Torch threads per local worker process so that the workers share this machine's cores."""
     return max(1, (os.cpu_count() or 1) // n_workers)
+
+
+class ClusterRoute:
+    """The jobs' way to the cluster: ``TILEWISE_DASK_SCHEDULER`` and ``TILEWISE_DASK_MIN_VOXELS``.
+
+    A job whose input has more spatial voxels than ``dask_min_voxels`` (read from its header) runs its
+    tiled passes on the cluster at ``dask_scheduler`` (:class:`DaskPass`); others run in process.
+    One client per server process, connected on the first job that needs it, closed by :meth:`close`.
+
+    Args:
+        settings: the service settings (``dask_*``, ``models_dir``, ``device``, ``strict_models``).
+    """
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self.address: str | None = settings.dask_scheduler
+        self._stack = contextlib.ExitStack()
+        self._client: tuple[Any, int | None] | None = None
+        self._lock = threading.Lock()
+
+    def voxels_over(self, source: Path) -> int | None:
+        """The input's spatial voxel count when the job goes to the cluster, else ``None``."""
+        if self.address is None:
+            return None
+        from service.codecs import probe
+
+        voxels = math.prod(probe(source).spatial_shape)
+        return voxels if voxels > self.settings.dask_min_voxels else None
+
+    def client(self) -> tuple[Any, int | None]:
+        """The connected client and the local cluster's worker count (connects on first use).
+
+        Raises:
+            ClusterUnavailableError: the scheduler cannot be reached (or ``distributed`` is missing).
+        """
+        assert self.address is not None
+        with self._lock:
+            if self._client is None:
+                self._client = self._stack.enter_context(dask_client(self.address))
+            return self._client
+
+    def dask_pass(self, folder: Path, **hooks: Any) -> DaskPass:
+        """A :class:`DaskPass` for one job (zarr copies in ``TILEWISE_DASK_WORKDIR``, else ``folder``);
+        ``hooks``: ``on_stage``, ``on_plan``."""
+        client, n_local = self.client()
+        settings = self.settings
+        models_dir = None if settings.models_dir is None else Path(settings.models_dir).resolve()
+        return DaskPass(
+            client, Path(settings.dask_workdir or folder).resolve(), models_dir=models_dir,
+            device=settings.device, strict=settings.strict_models,
+            torch_threads=None if n_local is None else local_torch_threads(n_local), **hooks,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Close the client (and a local cluster)."""
+        with self._lock:
+            self._client = None
+            self._stack.close()

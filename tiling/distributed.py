@@ -381,17 +381,14 @@ def _wait(future: Any, should_stop: Callable[[], bool] | None) -> None:
     if should_stop is None:
         future.result()
         return
-    from distributed import wait
-
     while True:
         try:
-            wait(future, timeout=STOP_POLL_S)
+            future.result(timeout=STOP_POLL_S)  # raises the task's error, if any
         except TimeoutError:
             if should_stop():
                 future.cancel()
                 raise RunCancelledError("the Dask run was stopped (should_stop returned true)") from None
             continue
-        future.result()  # raises the task's error, if any
         return
 
 
