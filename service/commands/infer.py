@@ -59,7 +59,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: TILEWISE_DEVICE or auto)")
     parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar over tiles")
-    cluster = parser.add_argument_group("Dask cluster (the `distributed` extra)")
+    cluster = parser.add_argument_group("Dask cluster (the distributed extra)")
     cluster.add_argument(
         "--dask",
         metavar="ADDRESS",
