@@ -20,8 +20,16 @@ Checks: the 1- and 2-worker outputs are identical, and a corner of the output eq
 pass over that corner (with a margin of the receptive radius on its inner sides) within 1e-5.
 ``--max-rise-fraction F`` exits 1 when a worker's rise exceeds ``F`` times the volume's bytes.
 
+``--via tilewise`` measures the path of ``tilewise infer --dask`` and of cluster jobs instead:
+a tilewise model (``--model``, default the built-in ``gaussian-3d``, radius 8) built on each worker
+by :class:`service.cluster.WorkerModel`, one tiled pass of its plan (``--tile``, halo = its
+receptive-field radius) through :class:`service.cluster.DaskPass` (zarr copy of the preprocessed
+volume, ``tiled_inference_dask``, output read back into this process). The corner check then
+compares with the model's own in-process :meth:`models.Model.execute` over the corner.
+
     python benchmarks/dask_scaling.py --tile 48               # 384^3, chunk 96, 1 and 2 workers
     python benchmarks/dask_scaling.py --sizes 192 384 --tile 48 --workers 2 --max-rise-fraction 0.5
+    python benchmarks/dask_scaling.py --via tilewise --tile 64   # gaussian-3d through DaskPass
 
 Output: one line per run on stdout and ``--json PATH``. Needs the ``distributed`` extra.
 """
@@ -152,6 +160,62 @@ def run_once(z: Any, out: Path, n_workers: int, args: argparse.Namespace) -> dic
     return {"n_workers": n_workers, "seconds": seconds, "workers": workers}
 
 
+def run_pass(
+    x: np.ndarray, root: Path, n_workers: int, args: argparse.Namespace
+) -> tuple[dict[str, Any], Any]:
+    """``--via tilewise``: one :class:`service.cluster.DaskPass` of a tilewise model's plan over ``x``
+    ``(1, *S)`` on a fresh LocalCluster; the run's figures (as :func:`run_once`) and its output."""
+    from distributed import Client, LocalCluster
+
+    from service.cluster import DaskPass
+
+    model, plan = _tilewise_plan(x.shape[1:], args)
+    with (
+        LocalCluster(  # type: ignore[no-untyped-call]
+            n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster, set_as_default=False) as client,  # type: ignore[no-untyped-call]
+        DaskPass(client, root, torch_threads=1, chunk=args.chunk) as dask_pass,
+    ):  # fmt: skip
+        warm = np.zeros((1, 2 * args.chunk, args.chunk, args.chunk), np.float32)  # see run_once
+        dask_pass(model, warm, _tilewise_plan(warm.shape[1:], args)[1], None)
+        before, cpu_before = client.run(_reset_peak), client.run(_cpu_s)
+        t0 = time.perf_counter()
+        y = dask_pass(model, x, plan, None)
+        seconds = time.perf_counter() - t0
+        peaks, cpu_after = client.run(_peak), client.run(_cpu_s)
+    workers = [
+        {"rss_before_mib": before[w] / 1024, "peak_mib": peaks[w] / 1024,
+         "rise_mib": (peaks[w] - before[w]) / 1024, "cpu_s": cpu_after[w] - cpu_before[w]}
+        for w in sorted(peaks)
+    ]  # fmt: skip
+    return {"n_workers": n_workers, "seconds": seconds, "workers": workers, "chunks": dask_pass.chunks_run}, y
+
+
+def _tilewise_plan(shape: tuple[int, ...], args: argparse.Namespace) -> tuple[Any, Any]:
+    from models import ModelRepository
+    from models.params import parse_params
+
+    model = ModelRepository("/nonexistent", device="cpu").get(args.model)
+    halo = max(model.receptive_field())
+    params = parse_params(
+        {"tile": str(args.tile or args.chunk), "halo": str(halo), "output": "probabilities"}
+    )
+    return model, model.plan(shape, params)
+
+
+def check_pass_corner(x: np.ndarray, y: Any, args: argparse.Namespace, corner: int = 96) -> float:
+    """``--via tilewise``: the output's corner against the model's in-process run over that corner
+    (with a margin of the receptive radius on its inner sides)."""
+    model, _ = _tilewise_plan((1, 1, 1), args)
+    margin = max(model.receptive_field())
+    part = np.ascontiguousarray(x[:, : corner + margin, : corner + margin, : corner + margin])
+    want = model.execute(part, _tilewise_plan(part.shape[1:], args)[1])
+    return float(
+        np.abs(np.asarray(y)[:, :corner, :corner, :corner] - want[:, :corner, :corner, :corner]).max()
+    )
+
+
 def check_corner(z: Any, out_path: Path, corner: int = 96) -> float:
     """Max abs difference between the output's corner and a whole-array pass over that corner."""
     import zarr
@@ -179,9 +243,10 @@ def report(size: int, args: argparse.Namespace, run: dict[str, Any]) -> str:
     cpu = sum(w["cpu_s"] for w in run["workers"])
     per_worker = ", ".join(f"{w['peak_mib']:.0f} MiB (+{w['rise_mib']:.0f})" for w in run["workers"])
     worst = max(w["rise_mib"] for w in run["workers"])
+    via = f"DaskPass({args.model})" if args.via == "tilewise" else args.blocks_from
     return (
         f"{size}^3 ({volume_mib:.0f} MiB), chunk {args.chunk}, tile {args.tile or 'block'}, "
-        f"{args.blocks_from}, {run['n_workers']} worker(s): {run['seconds']:.1f} s (worker CPU {cpu:.1f} s); "
+        f"{via}, {run['n_workers']} worker(s): {run['seconds']:.1f} s (worker CPU {cpu:.1f} s); "
         f"per-worker peak RSS {per_worker}; rise / volume = {worst / volume_mib:.2f}; "
         f"corner diff {run['corner_max_abs_diff']:.1e}"
     )
@@ -197,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         "--tile", type=int, default=None, help="tile edge, voxels (default: one tile per block)"
     )
     parser.add_argument("--blocks-from", default="auto", choices=["auto", "read", "map_overlap"])
+    parser.add_argument("--via", default="tiling", choices=["tiling", "tilewise"],
+                        help="tiling: tiled_inference_dask with a conv stack; tilewise: a model through "
+                        "service.cluster.DaskPass (tilewise infer --dask)")  # fmt: skip
+    parser.add_argument("--model", default="gaussian-3d", help="--via tilewise: the model")
     parser.add_argument("--workdir", type=Path, default=None, help="where the zarr arrays go (a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--max-rise-fraction", type=float, default=None,
@@ -211,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes:
             z = write_volume(root / f"in-{size}.zarr", size, args.chunk)
             outputs = []
+            if args.via == "tilewise":
+                failed |= _via_tilewise(np.asarray(z[...]), root, size, args, results)
+                continue
             for n in args.workers:
                 out = root / f"out-{size}-{n}.zarr"
                 run = run_once(z, out, n, args)
@@ -235,6 +307,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 1 if failed else 0
+
+
+def _via_tilewise(
+    x: np.ndarray, root: Path, size: int, args: argparse.Namespace, results: dict[str, Any]
+) -> bool:
+    """The ``--via tilewise`` runs of one size; whether a check failed."""
+    failed, first = False, None
+    for n in args.workers:
+        run, y = run_pass(x, root, n, args)
+        run.update(size=size, volume_mib=4 * size**3 / MiB, corner_max_abs_diff=check_pass_corner(x, y, args))
+        results["runs"].append(run)
+        print(report(size, args, run))
+        worst = max(w["rise_mib"] for w in run["workers"])
+        failed |= run["corner_max_abs_diff"] > ATOL
+        failed |= args.max_rise_fraction is not None and worst > args.max_rise_fraction * run["volume_mib"]
+        if first is None:
+            first = y
+        elif not np.array_equal(first, y):
+            print(f"{n} workers: the output differs from {args.workers[0]} worker(s)")
+            failed = True
+    times = {r["n_workers"]: r["seconds"] for r in results["runs"] if r["size"] == size}
+    if 1 in times and 2 in times:
+        load = results["load_avg_before"][0]
+        print(f"{size}^3: time with 1 worker / time with 2 workers = {times[1] / times[2]:.2f} "
+              f"(load average before the runs: {load:.1f} on {os.cpu_count()} CPUs)")  # fmt: skip
+    return failed
 
 
 if __name__ == "__main__":

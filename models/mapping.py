@@ -48,7 +48,7 @@ from models.resample import _oriented, from_model_labels, from_model_probabiliti
 from models.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from models.model import Model
+    from models.model import Model, TiledPass
     from models.plan import RunPlan
     from tiling import Resume, SeamStats
 
@@ -282,6 +282,7 @@ def run_mapped(
     start: Callable[[RunPlan], tuple[Any, Resume]] | None = None,
     progress: bool | Callable[[int], object] = False,
     should_stop: Callable[[], bool] | None = None,
+    tiled: TiledPass | None = None,
 ) -> MappedRun:
     """Map ``data`` onto the model's grid, preprocess, plan once, run, and map the output back.
 
@@ -299,6 +300,9 @@ def run_mapped(
             ``probabilities`` when the mapping resamples) for the ``out`` array and the
             :class:`tiling.Resume` that continue a stopped run (a job's checkpoint).
         progress, should_stop: as :meth:`Model.execute`.
+        tiled: run each tiled pass elsewhere (:class:`models.model.TiledPass`, e.g. on a Dask
+            cluster) instead of in this process; everything before and after it is the same. No
+            seam is measured then (``seam`` is ``None``), and ``start`` must be ``None``.
 
     Raises:
         InputError: the input does not fit the model (``GeometryError`` for its geometry).
@@ -309,7 +313,7 @@ def run_mapped(
     mapping = plan_mapping(data, affine, spec, native=p.spacing == Spacing.NATIVE)
     x = model.preprocess(mapping.to_model(data))
     plan = model.plan(x.shape[1:], p, sample=x)
-    seam = model.seam_stats(plan)
+    seam = model.seam_stats(plan) if tiled is None else None
     if check is not None:
         labels = plan.output == OutputKind.LABELS
         extra = mapping.extra_bytes(spec.out_channels, labels=labels)
@@ -320,8 +324,9 @@ def run_mapped(
     executed = plan if mapping.is_identity else dataclasses.replace(plan, output=OutputKind.PROBABILITIES)
     out, resume = start(executed) if start is not None else (None, None)
     pred = model.execute(
-        x, executed, out=out, resume=resume, progress=progress, should_stop=should_stop, seam=seam
-    )
+        x, executed, out=out, resume=resume, progress=progress, should_stop=should_stop, seam=seam,
+        tiled=tiled,
+    )  # fmt: skip
     if mapping.is_identity:
         return MappedRun(pred, plan, mapping, seam)
     del x

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -29,9 +29,31 @@ from models.spec import ModelSpec
 from tiling import Resume, SeamStats, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
 from tiling.geometry import as_ints
 
-__all__ = ["Model"]
+__all__ = ["Model", "TiledPass"]
 
 logger = logging.getLogger(__name__)
+
+
+class TiledPass(Protocol):
+    """Runs one tiled pass of a plan somewhere else than in this process (e.g. on a Dask cluster).
+
+    :meth:`Model.execute` calls it in place of its own :func:`tiling.tiled_inference` pass, once per
+    flip of the plan's ``tta``; everything around the pass (preprocessing, TTA averaging, output
+    kind, mapping back) stays the model's.
+    """
+
+    def __call__(
+        self,
+        model: Model,
+        x: npt.NDArray[np.float32],
+        plan: RunPlan,
+        reduce: Callable[[Any], Any] | None,
+        *,
+        progress: bool | Callable[[int], object] = False,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> npt.NDArray[Any]:
+        """``x`` ``(C_in, *plan.spatial_shape)`` float32 -> ``(C_out, *spatial)`` float32, or
+        ``(C_red, *spatial)`` once ``reduce`` (picklable; ``None``: identity) is applied."""
 
 
 class Model:
@@ -191,6 +213,7 @@ class Model:
         should_stop: Callable[[], bool] | None = None,
         resume: Resume | None = None,
         seam: SeamStats | None = None,
+        tiled: TiledPass | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
@@ -208,7 +231,9 @@ class Model:
         ``progress`` (a bar, or a callback of each batch's tile count) and ``should_stop`` (asked
         before every batch) are :func:`tiling.tiled_inference`'s; so is ``resume`` (with ``out``, a
         run that continues one stopped at a finished tile row), which a ``tta=mirror`` plan ignores:
-        its passes are averaged in memory, so it always runs whole.
+        its passes are averaged in memory, so it always runs whole. ``tiled`` runs each tiled pass
+        in place of this process's :func:`tiling.tiled_inference` (a Dask cluster); it takes
+        neither ``resume`` nor ``seam``.
 
         Raises:
             InputError: ``x`` is not the image the plan was made for.
@@ -221,12 +246,24 @@ class Model:
                 f"model {spec.name!r}: the plan is for ({spec.in_channels}, *{plan.spatial_shape}), "
                 f"got {tuple(x.shape)}"
             )
+        if tiled is not None and (resume is not None or seam is not None):
+            raise ValueError("a tiled pass elsewhere (tiled=) takes neither resume nor seam")
         start = time.perf_counter()
         labels = plan.output == OutputKind.LABELS
+
+        def one_pass(x: npt.NDArray[np.float32], reduce: Any, target: Any, resume: Any) -> npt.NDArray[Any]:
+            if tiled is None:
+                return self._tiled(x, plan, reduce, target, progress, should_stop, resume, seam)
+            y = tiled(self, x, plan, reduce, progress=progress, should_stop=should_stop)
+            if target is None:
+                return y
+            target[...] = y
+            return target  # type: ignore[no-any-return]
+
         if len(plan.flips) == 1:
             target = out[None] if out is not None and labels else out
             reduce = make_reduce(spec.activation, plan.output.value)
-            result = self._tiled(x, plan, reduce, target, progress, should_stop, resume, seam)
+            result = one_pass(x, reduce, target, resume)
         else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
             logits = spec.output.tta_average == "logits"
             per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
@@ -234,7 +271,7 @@ class Model:
             for axes in plan.flips:
                 dims = tuple(1 + a for a in axes)
                 flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-                y = self._tiled(flipped, plan, per_pass, None, progress, should_stop, None, seam)
+                y = one_pass(flipped, per_pass, None, None)
                 y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
                 total = y.copy() if total is None else total + y
             assert total is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from models.spec import ModelSpec, PreprocessStep
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["make_reduce", "preprocess"]
+__all__ = ["Reduce", "make_reduce", "preprocess"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,24 +178,34 @@ def make_reduce(
         threshold: probability above which a one-channel output is labelled 1.
 
     Returns:
-        ``None`` when nothing needs doing (no activation, probabilities), else a function mapping a
-        finalized region ``(C_out, *r)`` float32 tensor to its reduced form.
+        ``None`` when nothing needs doing (no activation, probabilities), else a picklable callable
+        (a :class:`Reduce`, so Dask workers can run it) mapping a finalized region ``(C_out, *r)``
+        float32 tensor to its reduced form.
     """
-    import torch
-
     if activation == "none" and kind == "probabilities":
         return None
+    return Reduce(activation, kind, threshold)
 
-    def reduce(region: torch.Tensor) -> torch.Tensor:
+
+@dataclass(frozen=True, slots=True)
+class Reduce:
+    """Activation then, for labels, argmax (or threshold); see :func:`make_reduce`."""
+
+    activation: str
+    kind: str
+    threshold: float = 0.5
+
+    def __call__(self, region: torch.Tensor) -> torch.Tensor:
+        """``(C_out, *r)`` -> ``(C_out, *r)`` float32 probabilities or ``(1, *r)`` uint8 labels."""
+        import torch
+
         y = region.float()
-        if activation == "sigmoid":
+        if self.activation == "sigmoid":
             y = torch.sigmoid(y)
-        elif activation == "softmax":
+        elif self.activation == "softmax":
             y = torch.softmax(y, dim=0)
-        if kind == "probabilities":
+        if self.kind == "probabilities":
             return y
         if y.shape[0] == 1:
-            return (y > threshold).to(torch.uint8)
+            return (y > self.threshold).to(torch.uint8)
         return torch.argmax(y, dim=0, keepdim=True).to(torch.uint8)
-
-    return reduce

@@ -15,6 +15,7 @@ Hierarchy (each class also inherits the builtin it refines, so ``except ValueErr
       UploadTimeoutError(ServiceError)                   the body arrives too slowly (408)
       QueueFullError(ServiceError)                       the device queue is full (Retry-After)
       NotReadyError(ServiceError)                        models loading / shutting down
+      ClusterUnavailableError(ServiceError)              the Dask cluster cannot be reached or started
       JobNotFoundError(ServiceError, LookupError)        no job of this id (or it expired)
       JobStateError(ServiceError)                        e.g. the result of a job not done (409)
         IdempotencyKeyReusedError                        an Idempotency-Key sent with another request
@@ -29,6 +30,7 @@ from __future__ import annotations
 __all__ = [
     "AuthenticationError",
     "BadParameterError",
+    "ClusterUnavailableError",
     "DecodeError",
     "EmptyBodyError",
     "IdempotencyKeyReusedError",
@@ -100,6 +102,11 @@ class QueueFullError(ServiceError):
 
 class NotReadyError(ServiceError):
     """The models are not loaded yet, or the server is shutting down."""
+
+
+class ClusterUnavailableError(ServiceError):
+    """The Dask cluster (``--dask``, ``TILEWISE_DASK_SCHEDULER``) cannot be reached or started, or
+    the ``distributed`` extra is not installed (503: retry, or run in process)."""
 
 
 class JobNotFoundError(ServiceError, LookupError):

@@ -23,6 +23,7 @@ from models import errors as model_errors
 from service.errors import (
     AuthenticationError,
     BadParameterError,
+    ClusterUnavailableError,
     DecodeError,
     EmptyBodyError,
     IdempotencyKeyReusedError,
@@ -79,6 +80,7 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     OverBudgetError: (422, "over_budget"),
     QueueFullError: (503, "queue_full"),
     NotReadyError: (503, "not_ready"),
+    ClusterUnavailableError: (503, "cluster_unavailable"),
     tiling_errors.RunCancelledError: (503, "cancelled"),
     model_errors.BackendUnavailableError: (503, "backend_unavailable"),
     model_errors.ModelUnavailableError: (503, "model_unavailable"),

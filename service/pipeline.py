@@ -39,6 +39,7 @@ from service.errors import BadParameterError, UnusableInputError
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
     from models.mapping import MappedRun
+    from models.model import TiledPass
     from service.budget import Budget
     from tiling import Resume, SeamStats
 
@@ -234,6 +235,7 @@ def run_volume(
     should_stop: Callable[[], bool] | None = None,
     progress: bool | Callable[[int], object] = False,
     checkpoint: Checkpoint | None = None,
+    tiled: TiledPass | None = None,
 ) -> MappedRun:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
@@ -241,7 +243,8 @@ def run_volume(
     asked before every batch (the run ends with :class:`tiling.RunCancelledError`); ``progress``
     shows a bar of tiles on stderr, or is called with each batch's tile count. With a
     ``checkpoint`` the network's output goes to its array, and a run of the same plan that stopped
-    continues from its last finished tile row.
+    continues from its last finished tile row. ``tiled`` runs the network's tiled passes elsewhere
+    (a Dask cluster, :class:`service.cluster.DaskPass`); it takes no ``checkpoint``.
 
     Returns:
         The :class:`~models.mapping.MappedRun`: its ``result`` is uint8 ``(*spatial)`` labels or
@@ -271,6 +274,7 @@ def run_volume(
         start=start if checkpoint is not None else None,
         progress=progress,
         should_stop=should_stop,
+        tiled=tiled,
     )
     result = np.asarray(run.result)
     if dropped:
@@ -301,6 +305,7 @@ def run_file(
     should_stop: Callable[[], bool] | None = None,
     progress: bool | Callable[[int], object] = False,
     checkpoint: Checkpoint | None = None,
+    tiled: TiledPass | None = None,
 ) -> InferenceResult:
     """Check ``source``'s header, decode it, run ``model``, write the output next to ``target_stem``.
 
@@ -315,6 +320,9 @@ def run_file(
         progress: show a progress bar of tiles on stderr, or a callable called with each
             batch's tile count (the server's ``tilewise_tiles_total``).
         checkpoint: keeps the network's output on disk so that a stopped run resumes (jobs).
+        tiled: runs the network's tiled passes elsewhere (a Dask cluster: :mod:`service.cluster`)
+            instead of in this process; decoding, geometry, preprocessing, TTA, output kind and
+            encoding stay here, so the file is the same. Takes no ``checkpoint``.
     """
     started = time.perf_counter()
     limits = limits or Limits()
@@ -336,6 +344,7 @@ def run_file(
         should_stop=should_stop,
         progress=progress,
         checkpoint=checkpoint,
+        tiled=tiled,
     )
     array, plan = run.result, run.plan
     if plan.warning:

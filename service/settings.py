@@ -41,6 +41,13 @@ Variable                          Meaning
 ``TILEWISE_JOB_SCAN_S``           seconds between two looks for jobs to take over (default 1)
 ``TILEWISE_WEB_DIR``              folder of the page's viewer (NiiVue), filled by ``tilewise setup-web``
                                   (default: ``~/.cache/tilewise/web``)
+``TILEWISE_DASK_SCHEDULER``       Dask scheduler address (``tcp://host:8786``; ``local:N`` starts a local
+                                  cluster in the server) to which jobs send their large volumes
+                                  (default: unset, every job runs in process)
+``TILEWISE_DASK_MIN_VOXELS``      a job's input goes to the cluster when it has more voxels than this
+                                  (spatial, before resampling; default 64000000, about 400^3)
+``TILEWISE_DASK_WORKDIR``         folder the server and every Dask worker see at the same path, for the
+                                  zarr copies of cluster jobs (default: the job's own folder)
 ================================  ===========================================================================
 
 ``tilewise serve`` has an option for each (``--api-key``, ``--queue-size`` ...); an option wins
@@ -106,6 +113,21 @@ class Settings(BaseSettings):
     job_lease_s: float = Field(default=30.0, gt=0)
     job_scan_s: float = Field(default=1.0, gt=0)
     web_dir: Path | None = None
+    dask_scheduler: Annotated[str | None, BeforeValidator(blank_to_none)] = Field(
+        default=None,
+        description="Dask scheduler address (tcp://host:8786, or local:N) for jobs above dask_min_voxels; "
+        "unset: every job runs in process",
+    )
+    dask_min_voxels: int = Field(
+        default=64_000_000,
+        ge=0,
+        description="a job goes to the Dask cluster when its input has more spatial voxels than this",
+    )
+    dask_workdir: Path | None = Field(
+        default=None,
+        description="folder for the zarr copies of cluster jobs, seen by every Dask worker at the same path "
+        "(default: the job's folder)",
+    )
 
     @field_validator("device", mode="before")
     @classmethod

@@ -2,18 +2,20 @@
 
 One job: turn a spatial shape, an asked chunk size, a depth and an alignment into regular chunks on
 the network's stride grid, check every block length plans as a tile grid (on the client), and build
-the blocks a Dask graph runs over (``map_overlap`` input, or each block read straight from zarr).
+the blocks a Dask graph runs over (``map_overlap`` input, or each block read straight from zarr),
+and the delayed write of the result into its zarr target.
 Imports without Dask installed; the ``da``/``zarr`` modules are passed in by the caller.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from tiling.errors import GridError
+from tiling.errors import GridError, ShapeMismatchError
 from tiling.geometry import as_ints
 from tiling.grid import TileGrid
 
@@ -174,3 +176,27 @@ def _read_block(
 ) -> np.ndarray:
     index = (slice(None), *(slice(*b[i]) for b, i in zip(bounds, block_id[1:], strict=True)))
     return np.asarray(source[index])
+
+
+def _in_memory(out: Any, zarr: Any) -> bool:
+    memory = getattr(zarr.storage, "MemoryStore", None)
+    return isinstance(out, zarr.Array) and memory is not None and isinstance(out.store, memory)
+
+
+def _store(
+    y: Any, out: Any, overwrite: bool, da: Any, zarr: Any, out_shape: tuple[int, ...]
+) -> tuple[Any, Any]:
+    """The target (a zarr array, or the path of one) and the delayed write of ``y`` into it."""
+    if isinstance(out, zarr.Array):
+        if tuple(out.shape) != out_shape:
+            raise ShapeMismatchError(f"out has shape {tuple(out.shape)}; expected {out_shape}")
+        # Write whole zarr chunks only (parallel partial writes of one chunk would race).
+        target_chunks = tuple(int(c) for c in out.chunks)
+        if tuple(c[0] for c in y.chunks) != target_chunks:
+            y = y.rechunk(target_chunks)
+        return out, da.store(y, out, lock=False, compute=False)
+    if out is None:
+        target = zarr.zeros(shape=out_shape, chunks=tuple(c[0] for c in y.chunks), dtype=y.dtype)
+        return target, da.store(y, target, lock=False, compute=False)
+    path = os.fspath(out)
+    return path, da.to_zarr(y, path, compute=False, mode="w" if overwrite else "w-")

@@ -60,7 +60,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from fractions import Fraction
 from typing import Any
@@ -71,8 +71,10 @@ from tiling._dask_chunks import (
     _as_dask,
     _block_lengths,
     _blocks_mode,
+    _in_memory,
     _input_chunks,
     _read_blocks,
+    _store,
     _validate_blocks,
     plan_chunks,
 )
@@ -84,7 +86,13 @@ from tiling._dask_worker import (
     _plugin_name,
     _probe,
 )
-from tiling.errors import DistributedError, GridError, ShapeMismatchError, TileDependentError
+from tiling.errors import (
+    DistributedError,
+    GridError,
+    RunCancelledError,
+    ShapeMismatchError,
+    TileDependentError,
+)
 from tiling.geometry import as_fractions, as_ints
 from tiling.grid import TileGrid
 
@@ -126,6 +134,7 @@ def tiled_inference_dask(
     keep_loaded: bool = False,
     blocks_from: str = "auto",
     progress: bool = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Any:
     """Run a predictor over a chunked ``(C, *S)`` array on a Dask cluster; write a zarr array.
 
@@ -175,6 +184,9 @@ def tiled_inference_dask(
             ``zarr.Array``, ``"map_overlap"`` otherwise. See the module docstring.
         progress: show Dask's own progress bar (``distributed.progress`` with a client,
             ``dask.diagnostics.ProgressBar`` without), on stdout.
+        should_stop: asked every :data:`STOP_POLL_S` seconds while the cluster runs (before every
+            task without a client); when it returns true the run's tasks are cancelled and
+            :class:`RunCancelledError` is raised (the ``out`` array is then incomplete).
 
     Returns:
         ``zarr.Array`` of shape ``(C_out or C_red, *S)``, chunked like the plan (``out`` itself
@@ -190,6 +202,7 @@ def tiled_inference_dask(
         TileDependentError: ``tile_dependent=True`` and more than one chunk.
         DistributedError: ``out=None`` or an in-memory zarr ``out`` with a distributed client
             (workers cannot write into this process's memory), or ``resources`` without a client.
+        RunCancelledError: ``should_stop()`` returned true.
         Exception: whatever ``model_factory`` or the predictor raises, re-raised from the worker.
 
     Notes:
@@ -310,7 +323,7 @@ def tiled_inference_dask(
         target, stored = _store(y, out, overwrite, da, zarr, (c_out, *spatial))
         bar = _progress_bar(progress, client)
         if client is None:
-            with bar:
+            with bar, _stop_callback(should_stop):
                 stored.compute()
         else:
             future = client.compute(stored, resources=dict(resources or {}))
@@ -319,7 +332,7 @@ def tiled_inference_dask(
 
                 with client.as_current():  # the bar finds its scheduler through the current client
                     distributed_progress(future)  # type: ignore[no-untyped-call]
-            future.result()
+            _wait(future, should_stop)
     finally:
         if client is not None and not keep_loaded:
             client.unregister_worker_plugin(plugin_name)
@@ -359,28 +372,37 @@ def _default_client() -> Any:
         return None
 
 
-def _in_memory(out: Any, zarr: Any) -> bool:
-    memory = getattr(zarr.storage, "MemoryStore", None)
-    return isinstance(out, zarr.Array) and memory is not None and isinstance(out.store, memory)
+#: Seconds between two ``should_stop`` calls while a distributed run goes on.
+STOP_POLL_S = 0.5
 
 
-def _store(
-    y: Any, out: Any, overwrite: bool, da: Any, zarr: Any, out_shape: tuple[int, ...]
-) -> tuple[Any, Any]:
-    """The target (a zarr array, or the path of one) and the delayed write of ``y`` into it."""
-    if isinstance(out, zarr.Array):
-        if tuple(out.shape) != out_shape:
-            raise ShapeMismatchError(f"out has shape {tuple(out.shape)}; expected {out_shape}")
-        # Write whole zarr chunks only (parallel partial writes of one chunk would race).
-        target_chunks = tuple(int(c) for c in out.chunks)
-        if tuple(c[0] for c in y.chunks) != target_chunks:
-            y = y.rechunk(target_chunks)
-        return out, da.store(y, out, lock=False, compute=False)
-    if out is None:
-        target = zarr.zeros(shape=out_shape, chunks=tuple(c[0] for c in y.chunks), dtype=y.dtype)
-        return target, da.store(y, target, lock=False, compute=False)
-    path = os.fspath(out)
-    return path, da.to_zarr(y, path, compute=False, mode="w" if overwrite else "w-")
+def _wait(future: Any, should_stop: Callable[[], bool] | None) -> None:
+    """The future's result; with ``should_stop``, cancel it and raise once that returns true."""
+    if should_stop is None:
+        future.result()
+        return
+    while True:
+        try:
+            future.result(timeout=STOP_POLL_S)  # raises the task's error, if any
+        except TimeoutError:
+            if should_stop():
+                future.cancel()
+                raise RunCancelledError("the Dask run was stopped (should_stop returned true)") from None
+            continue
+        return
+
+
+def _stop_callback(should_stop: Callable[[], bool] | None) -> Any:
+    """Dask's local scheduler: raise :class:`RunCancelledError` before a task once asked to stop."""
+    if should_stop is None:
+        return nullcontext()
+    from dask.callbacks import Callback
+
+    def pretask(key: Any, dsk: Any, state: Any) -> None:  # noqa: ARG001 - the callback interface
+        if should_stop():
+            raise RunCancelledError("the Dask run was stopped (should_stop returned true)")
+
+    return Callback(pretask=pretask)  # type: ignore[no-untyped-call]
 
 
 def _progress_bar(progress: bool, client: Any) -> Any:

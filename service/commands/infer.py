@@ -8,15 +8,29 @@ OUTPUT named for another image format (``.jpg``, ``.bmp``, ``.dcm`` ...) or for 
 ``--format`` is refused (exit status 2): the bytes would not be what the name says. The output is
 written under a temporary name and renamed into place when complete; ``--progress`` shows a bar of
 tiles on stderr.
+
+``--dask ADDRESS`` runs the network's tiled passes on a Dask cluster instead of in this process:
+``local`` (2 worker processes, one thread each), ``local:N`` (N processes), or a scheduler address
+such as ``tcp://host:8786``. Everything else (decoding, spacing and orientation, preprocessing,
+TTA, labels, encoding) runs here as without ``--dask``, so the output is the same to float
+rounding. The preprocessed volume is copied to a zarr array in a temporary folder under
+``--dask-workdir`` (default: OUTPUT's folder), which every worker must see at the same path, as
+it must see ``--models``. Each chunk (``--dask-chunk``; default: tile minus twice the halo) plus
+the halo on each side runs on a worker, where the model is loaded once. ``--progress`` shows Dask's
+progress bar on stderr. Tile-dependent networks (instance norm, attention, global pooling) are
+refused (exit status 1, "not distributable") when the volume is more than one chunk: chunks are
+never blended, so every chunk border would be a seam. Needs the ``distributed`` extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +59,28 @@ def register(sub: Any) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: TILEWISE_DEVICE or auto)")
     parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar over tiles")
+    cluster = parser.add_argument_group("Dask cluster (the distributed extra)")
+    cluster.add_argument(
+        "--dask",
+        metavar="ADDRESS",
+        default=None,
+        help="run the tiled network passes on a Dask cluster: local (2 worker processes), local:N, "
+        "or a scheduler address tcp://host:8786; tile-dependent networks are refused unless the "
+        "volume is one chunk",
+    )
+    cluster.add_argument(
+        "--dask-workdir",
+        type=Path,
+        default=None,
+        help="folder every worker sees at the same path, for the zarr copies (default: OUTPUT's folder)",
+    )
+    cluster.add_argument(
+        "--dask-chunk",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="chunk size per axis in voxels (default: the tile minus twice the halo)",
+    )
     parser.set_defaults(run=_run)
 
 
@@ -72,6 +108,13 @@ def format_from_suffix(path: Path) -> str | None:
     """The output format named by ``path``'s suffix, or ``None``."""
     name = path.name.lower()
     return next((fmt for suffix, fmt in _SUFFIX_FORMATS if name.endswith(suffix)), None)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -103,7 +146,11 @@ def _run(args: argparse.Namespace) -> int:
         ).get(args.model)
         target.parent.mkdir(parents=True, exist_ok=True)
         limits = Limits(max_image_pixels=settings.max_image_pixels)
-        result = run_file(model, args.input, stem, params, limits=limits, progress=args.progress)
+        with contextlib.ExitStack() as stack:
+            tiled = None if args.dask is None else stack.enter_context(_dask_pass(args, settings, target))
+            result = run_file(
+                model, args.input, stem, params, limits=limits, progress=args.progress, tiled=tiled
+            )
         os.replace(result.path, target)
     except (ServiceError, ModelError, TilingError) as exc:
         logger.error("infer failed: %s", exc)
@@ -123,3 +170,19 @@ def _run(args: argparse.Namespace) -> int:
         result.seconds,
     )
     return 0
+
+
+@contextlib.contextmanager
+def _dask_pass(args: argparse.Namespace, settings: Any, target: Path) -> Iterator[Any]:
+    """The cluster's :class:`~service.cluster.DaskPass` for ``--dask``, closed with the run."""
+    from service.cluster import DaskPass, dask_client, local_torch_threads
+
+    workdir = (args.dask_workdir or target.parent).resolve()
+    with dask_client(args.dask) as (client, n_local):
+        threads = None if n_local is None else local_torch_threads(n_local)
+        models_dir = None if settings.models_dir is None else Path(settings.models_dir).resolve()
+        with DaskPass(
+            client, workdir, models_dir=models_dir, device=settings.device, strict=settings.strict_models,
+            torch_threads=threads, chunk=args.dask_chunk,
+        ) as tiled:  # fmt: skip
+            yield tiled

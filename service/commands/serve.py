@@ -51,6 +51,9 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--job-lease", "job_lease_s", _work, "seconds a job's lease outlives its owner's last renewal (30)"),
     ("--job-scan", "job_scan_s", _work, "seconds between two looks for jobs to take over (1)"),
     ("--web-dir", "web_dir", Path, "folder of the page's viewer files (default: ~/.cache/tilewise/web)"),
+    ("--dask-scheduler", "dask_scheduler", str, "Dask scheduler (tcp://host:8786) for large jobs (unset)"),
+    ("--dask-min-voxels", "dask_min_voxels", _count, "jobs above this many voxels go to Dask (64000000)"),
+    ("--dask-workdir", "dask_workdir", Path, "folder Dask workers share for zarr copies (the job's)"),
 )
 
 

@@ -58,6 +58,7 @@ def job_status(record: dict[str, Any]) -> dict[str, Any]:
         "finished": iso_utc(record.get("finished_at")),
         "error": record.get("error"),
         "params": record.get("query", {}),
+        "stage": record.get("stage"),
     }
 
 
@@ -85,7 +86,10 @@ async def event_stream(
             yield b'event: error\ndata: {"error": "unknown_job"}\n\n'
             return
         status = job_status(record)
-        key = (status["state"], status["tiles_done"], status["tiles_total"], json.dumps(status["error"]))
+        key = (
+            status["state"], status["tiles_done"], status["tiles_total"], status["stage"],
+            json.dumps(status["error"]),
+        )  # fmt: skip
         if key != last:
             last = key
             sent += 1

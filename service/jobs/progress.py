@@ -75,6 +75,20 @@ class RunProgress:
                 logger.info("job %s: resumed at tile %d of %d", record["id"], self.first, plan.n_tiles)
             self.write(force=True)
 
+    def on_plan(self, plan: Any) -> None:
+        """A run without a checkpoint (on a Dask cluster) made its plan: the tiles to do."""
+        with self.lock:
+            self.first = 0
+            now = time.time()
+            self.record.update(tiles_total=plan.n_tiles, tiles_done=0, run_started_at=now, run_tiles=0)
+            self.write(force=True)
+
+    def stage(self, text: str) -> None:
+        """The run moved on to another stage (the job's ``stage``, e.g. ``dask: running 27 chunks``)."""
+        with self.lock:
+            self.record["stage"] = text
+            self.write(force=True)
+
     def tiles(self, n: int) -> None:
         """``n`` more tiles computed (the engine's progress callback, batch by batch)."""
         with self.lock:

@@ -9,7 +9,11 @@ older than ``TILEWISE_JOB_TTL_S``.
 
 A job runs :func:`service.pipeline.run_file`, the synchronous endpoint's orchestration, with a
 :class:`~service.jobs.checkpoint.SlabCheckpoint`, so its result is the same file, and a run that
-starts over continues from the last finished slab. It stops before its next batch when it is
+starts over continues from the last finished slab. With ``TILEWISE_DASK_SCHEDULER`` set, a job
+whose input has more than ``TILEWISE_DASK_MIN_VOXELS`` voxels runs its tiled passes on that Dask
+cluster instead (:class:`service.cluster.ClusterRoute`; the same file, no slab checkpoint: a run
+that starts over starts from the beginning); its record's ``cluster`` names the scheduler, and
+its ``stage`` and tiles move as each pass goes through the cluster. It stops before its next batch when it is
 cancelled (``DELETE``), when the server stops (the job stays unfinished: another replica, or the
 restarted one, takes it over) or when its lease was taken over.
 """
@@ -17,6 +21,7 @@ restarted one, takes it over) or when its lease was taken over.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import secrets
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.params import parse_query
+from service.cluster import ClusterRoute
 from service.errors import NotReadyError, QueueFullError
 from service.executor import DeviceExecutor, Slot
 from service.http_errors import classify
@@ -88,6 +94,7 @@ class JobService:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.cluster = ClusterRoute(settings)
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -117,6 +124,7 @@ class JobService:
         for job_id, h in held:
             h.lease.release()
             logger.info("job %s released for another replica", job_id)
+        self.cluster.close()
 
     # -- submission and cancellation ----------------------------------------------------------------
 
@@ -229,16 +237,21 @@ class JobService:
             checkpoint = SlabCheckpoint(
                 folder / PARTIAL_FILE, record.get("checkpoint"), progress.save_checkpoint, progress.on_start
             )
-            result = run_file(
-                model,
-                folder / INPUT_FILE,
-                folder / "output",
-                params,
-                limits=self.limits,
-                should_stop=should_stop,
-                progress=progress.tiles,
-                checkpoint=checkpoint,
-            )
+            with contextlib.ExitStack() as stack:
+                tiled = self._dask_pass(record, folder, progress)
+                if tiled is not None:
+                    stack.enter_context(tiled)
+                result = run_file(
+                    model,
+                    folder / INPUT_FILE,
+                    folder / "output",
+                    params,
+                    limits=self.limits,
+                    should_stop=should_stop,
+                    progress=progress.tiles,
+                    checkpoint=checkpoint if tiled is None else None,
+                    tiled=tiled,
+                )
         except RunCancelledError:
             with progress.lock:
                 if self.store.cancel_requested(job_id):
@@ -258,6 +271,20 @@ class JobService:
         else:
             with progress.lock:
                 self._finish(record, lease, JobState.DONE, result=result)
+
+    def _dask_pass(self, record: dict[str, Any], folder: Any, progress: RunProgress) -> Any:
+        """The job's :class:`~service.cluster.DaskPass` when its input goes to the cluster, else ``None``."""
+        voxels = self.cluster.voxels_over(folder / INPUT_FILE)
+        if voxels is None:
+            return None
+        logger.info(
+            "job %s: %d voxels > TILEWISE_DASK_MIN_VOXELS=%d: tiled passes on the Dask cluster %s",
+            record["id"], voxels, self.settings.dask_min_voxels, self.cluster.address,
+        )  # fmt: skip
+        with progress.lock:
+            record["cluster"] = self.cluster.address
+        progress.stage("dask: connecting to the cluster")
+        return self.cluster.dask_pass(folder, on_stage=progress.stage, on_plan=progress.on_plan)
 
     def _finish(
         self,

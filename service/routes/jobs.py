@@ -60,6 +60,7 @@ _STATUS_EXAMPLE = {
     "finished": None,
     "error": None,
     "params": {"tile": "64"},
+    "stage": None,
 }
 _UNKNOWN = error_doc("unknown_job", "No job of this id (never submitted, or expired).")
 

@@ -3,7 +3,8 @@
 - Chunk planning (pure integers): chunks start on the stride grid, are regular, never shorter than
   the depth, and sum to the axis.
 - Dask's local scheduler (no cluster): a random conv stack and argmax labels, dask/numpy/zarr inputs
-  and outputs, the tile-dependent refusal, client-side validation; a halo below the receptive-field
+  and outputs, the tile-dependent refusal, client-side validation, ``should_stop`` (also on a
+  cluster, where the run's tasks are cancelled); a halo below the receptive-field
   radius is shown to *fail* the comparison (the tests can fail).
 - A ``LocalCluster`` of two worker processes (one thread each): a random conv stack on a random
   volume with odd sizes, a stride-4 U-Net whose chunks are not all multiples of 4 at the far border,
@@ -38,7 +39,7 @@ from _tiling_nets import pad_end, whole
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiling import GridError, ShapeMismatchError, tiled_inference
+from tiling import GridError, RunCancelledError, ShapeMismatchError, tiled_inference
 from tiling.distributed import (
     DistributedError,
     PredictorPlugin,
@@ -223,6 +224,34 @@ def test_local_progress_bar(capsys, rng):
     x = rng.standard_normal((1, 12, 12), dtype=np.float32)
     tiled_inference_dask(x, NetFactory(ndim=2, dilations=(1,)), halo=1, chunk_shape=6, progress=True)
     assert "100% Completed" in capsys.readouterr().out
+
+
+def test_should_stop_cancels_a_local_run(rng):
+    x = rng.standard_normal((1, 12, 12), dtype=np.float32)
+    with pytest.raises(RunCancelledError, match="stopped"):
+        tiled_inference_dask(
+            x, NetFactory(ndim=2, dilations=(1,)), halo=1, chunk_shape=6, should_stop=lambda: True
+        )
+
+
+@pytest.mark.timeout(120)
+def test_should_stop_cancels_a_cluster_run(zarr_mod, tmp_path, rng):
+    # 0.2 s per forward pass, 27 blocks on one thread: stopped after about 1 s, well before the end.
+    distributed = pytest.importorskip("distributed")
+    x = rng.standard_normal((1, 24, 24, 24), dtype=np.float32)
+    z = _to_zarr(zarr_mod, tmp_path / "in.zarr", x, 8)
+    deadline = time.monotonic() + 1.0
+    with (
+        distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0")
+        as cluster,
+        distributed.Client(cluster, set_as_default=False) as c,
+    ):  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(RunCancelledError):
+            tiled_inference_dask(z, NetFactory(c_in=1, delay_s=0.2), halo=2, tile_shape=8, chunk_shape=8,
+                                 out=tmp_path / "out.zarr", client=c,
+                                 should_stop=lambda: time.monotonic() > deadline)  # fmt: skip
+        assert time.monotonic() - started < 27 * 0.2
 
 
 def test_tile_dependent_refused_across_chunks_allowed_in_one(rng):
