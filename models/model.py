@@ -2,6 +2,9 @@
 
 ``Model.run(data, params)`` is ``preprocess`` + ``plan`` + ``execute``; the service calls the three
 steps itself so that the one :class:`~models.RunPlan` also feeds its metrics and response headers.
+The plan's tile and batch size are sized by :mod:`models.planner` from the network's
+:class:`~models.footprint.Footprint` (measured once, at warm-up); a run that runs out of device
+memory halves the batch, then the tile, and runs again (:meth:`Model.execute`).
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
 from models.calibration import HaloCalibrator
-from models.errors import InputError
+from models.errors import DeviceOutOfMemoryError, InputError
+from models.footprint import Footprint, footprint_of
 from models.params import InferenceParams, OutputKind
 from models.plan import RunPlan
+from models.planner import default_memory_budget, given_halo_rule, shrink_plan, size_plan
 from models.preprocess import make_reduce, preprocess
 from models.receptive import HaloCalibration
 from models.spec import ModelSpec
-from tiling import Resume, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
+from tiling import Resume, aligned_extent, context_halo
 from tiling.geometry import as_ints
 
 __all__ = ["Model"]
@@ -52,6 +57,8 @@ class Model:
         self.calibrator = HaloCalibrator(spec, predictor)
         self.context = predictor if isinstance(predictor, PoolingContext) else None
         self._run_lock = threading.Lock()
+        self._footprint_lock = threading.Lock()
+        self._footprint: Footprint | None = None
 
     def __repr__(self) -> str:
         return (
@@ -66,6 +73,26 @@ class Model:
     def receptive_field(self) -> tuple[int, ...]:
         """Receptive-field radius per axis (voxels): from the spec, else probed once."""
         return self.calibrator.receptive_field()
+
+    @property
+    def known_footprint(self) -> Footprint | None:
+        """The network's measured :class:`~models.footprint.Footprint`, or ``None`` before
+        :meth:`footprint` ran."""
+        with self._footprint_lock:
+            return self._footprint
+
+    def footprint(self) -> Footprint:
+        """Memory and time per voxel of a forward pass, measured once (eight forward passes of
+        synthetic tiles: the spec's default tile, at most 128^3, and half of it, at batch 1 and 2+).
+
+        Measure it at warm-up, before requests run: the memory measured is the process's own (see
+        :mod:`models.footprint`).
+        """
+        with self._footprint_lock:
+            if self._footprint is None:
+                self._footprint = footprint_of(self.spec, self.predictor)
+                logger.info("model %s: footprint %s", self.spec.name, self._footprint.describe())
+            return self._footprint
 
     def calibrate(
         self, tile: Sequence[int], tolerance: float, sample: npt.NDArray[np.float32] | None = None
@@ -83,14 +110,34 @@ class Model:
         params: InferenceParams | None = None,
         *,
         sample: npt.NDArray[np.float32] | None = None,
+        memory_budget: int | None = None,
+        footprint: Footprint | None = None,
+        calibrate: bool = True,
+        input_bytes: int = 0,
+        copies_input: bool = True,
     ) -> RunPlan:
         """Resolve ``params`` against the spec's defaults and plan the tile grid, once per request.
+
+        Tile and batch size are sized by :func:`models.planner.size_plan`: a tile whose halo leaves
+        the network more than 2.4 voxels per input voxel grows (within the memory budget), and
+        ``memory_budget`` picks the tile and batch the request does not give.
 
         Args:
             spatial_shape: spatial shape of the *preprocessed* input (voxels).
             params: the request's parameters (``None`` fields: the spec's defaults).
             sample: the preprocessed ``(C_in, *spatial)`` image, on which ``halo="auto"`` is
                 calibrated (default: a synthetic sample).
+            memory_budget: bytes the run may hold (``TILEWISE_MEMORY_BUDGET``); ``None``: the
+                spec's tile and batch, grown only where the halo eats the tile, within half the
+                machine's (or GPU's) memory.
+            footprint: the network's footprint to cost plans with (default: :meth:`footprint`,
+                measured now if it was not).
+            calibrate: ``False`` plans without running the network (a dry run): ``halo="auto"``
+                takes the halo last calibrated for this tile and tolerance, else the known
+                receptive-field radius, else 0.
+            input_bytes, copies_input: the decoded input held beside the run, and whether
+                preprocessing copies it (what the budget counts besides the plan;
+                :func:`models.cost.peak_bytes`).
 
         Raises:
             InputError: ``spatial_shape`` or ``sample`` does not fit the model.
@@ -98,6 +145,7 @@ class Model:
         """
         spec = self.spec
         p = (params or InferenceParams()).merged(spec.defaults)
+        given = params.model_fields_set if params is not None else set()
         shape = tuple(int(s) for s in spatial_shape)
         ndim = spec.spatial_dims
         if len(shape) != ndim:
@@ -106,55 +154,51 @@ class Model:
         assert p.blend is not None and p.batch_size is not None and p.output is not None
         tile = as_ints(p.tile, ndim, "tile", minimum=1)
         overlap = as_ints(p.overlap, ndim, "overlap", minimum=0)
-        if p.halo == "auto":
+        auto = p.halo == "auto"
+        verify = None
+        if auto:
             assert p.halo_tolerance is not None
-            halo, source = self._auto_halo(shape, tile, p.halo_tolerance, sample)
+            tolerance = p.halo_tolerance
+            halo_of, verify, source = self.calibrator.auto_rules(shape, tile, tolerance, sample, calibrate)
         else:
-            halo, source = as_ints(p.halo, ndim, "halo", minimum=0), "given"
-        grid = TileGrid.plan(
+            halo_of, source = given_halo_rule(as_ints(p.halo, ndim, "halo", minimum=0)), "given"
+        sized = size_plan(
+            spec,
             shape,
             tile,
-            halo,
-            overlap=overlap,
-            alignment=spec.alignment,
-            scale=spec.scale,
-            blend=p.blend.value,
+            halo_of,
+            overlap,
+            p.blend,
+            p.batch_size,
+            p.output,
+            p.tta,
             # A calibrated halo is an estimate from sampled tiles; the fixed-shape plan keeps the
             # margins it was calibrated with (text-det-2d's calibrated halo 61 errs by 0.023 with
             # tiles sized to the grid). A tile-dependent network's output depends on the tile it
             # sees, so its plans hold at the tile size they were measured at (brain-mask-3d, 192^3
             # tiles over its 256^3 frame: Dice 0.98 against the whole pass; sized to 160^3, 0.966).
-            fixed_tile_shape=p.halo == "auto" or spec.tile_dependent,
+            fixed_tile_shape=auto or spec.tile_dependent,
+            tile_given="tile" in given and params is not None and params.tile is not None,
+            batch_given="batch_size" in given and params is not None and params.batch_size is not None,
+            auto_halo=auto,
+            footprint=(lambda: footprint) if footprint is not None else self.footprint,
+            memory_budget=memory_budget,
+            default_budget=lambda: default_memory_budget(self.predictor.device),
+            verify=verify,
+            input_bytes=input_bytes,
+            copies_input=copies_input,
         )
         plan = RunPlan(
-            spec.name, shape, tile, halo, overlap, p.blend, p.batch_size, p.output, source, grid, p.tta
-        )
-        logger.info("model %s: plan %s (halo from %s)", spec.name, plan.header(), source)
+            spec.name, shape, sized.tile, sized.halo, overlap, p.blend, sized.batch_size, p.output, source,
+            sized.grid, p.tta, sized.tile_source,
+        )  # fmt: skip
+        logger.info("model %s: plan %s (halo from %s, tile %s)", spec.name, plan.header(), source,
+                    sized.tile_source)  # fmt: skip
         return plan
 
-    def _auto_halo(
-        self,
-        shape: tuple[int, ...],
-        tile: tuple[int, ...],
-        tolerance: float,
-        sample: npt.NDArray[np.float32] | None,
-    ) -> tuple[tuple[int, ...], str]:
-        """``halo="auto"``: calibrated on ``sample``, capped by the radius and the alignment."""
-        align = self.spec.alignment
-        if fits_one_tile(shape, tile, align):
-            return (0,) * len(tile), "one tile"  # one tile covers the image: no seam to protect
-        if sample is not None:
-            if sample.shape[0] != self.spec.in_channels or tuple(sample.shape[1:]) != shape:
-                raise InputError(
-                    f"model {self.spec.name!r}: the calibration sample must be the preprocessed "
-                    f"({self.spec.in_channels}, *{shape}) image, got {tuple(sample.shape)}"
-                )
-            # the image itself is the sample, zero-padded (as tiling pads) where smaller than a tile
-            grow = [(0, 0)] + [(0, max(0, t - s)) for s, t in zip(shape, tile, strict=True)]
-            sample = np.pad(sample, grow) if any(g[1] for g in grow) else sample
-        calibration = self.calibrate(tile, tolerance, sample)
-        halo = cap_halo((calibration.halo,) * len(tile), self.receptive_field(), tile, align)
-        return halo, calibration.sample
+    def shrink(self, plan: RunPlan) -> RunPlan | None:
+        """The plan to retry after the device ran out of memory (:func:`models.planner.shrink_plan`)."""
+        return shrink_plan(plan, self.spec)
 
     def execute(
         self,
@@ -165,8 +209,15 @@ class Model:
         progress: bool | Callable[[int], object] = False,
         should_stop: Callable[[], bool] | None = None,
         resume: Resume | None = None,
+        replanned: Callable[[RunPlan], object] | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
+
+        When the device runs out of memory (:class:`~models.errors.DeviceOutOfMemoryError`), the
+        pass runs again from its start with half the batch, then half the tile (:meth:`shrink`),
+        until it fits or neither can shrink; ``replanned`` is told each smaller plan, and the
+        passes after it use that plan. A local network with a halo at its receptive field gives
+        the same output with any tile and batch.
 
         With ``tta=mirror`` the plan runs once per flip of the spatial axes and the probabilities
         (or, with ``output.tta_average: logits``, the logits, as nnU-Net does) are averaged before
@@ -198,7 +249,7 @@ class Model:
         if len(plan.flips) == 1:
             target = out[None] if out is not None and labels else out
             reduce = make_reduce(spec.activation, plan.output.value)
-            result = self._tiled(x, plan, reduce, target, progress, should_stop, resume)
+            result, plan = self._tiled(x, plan, reduce, target, progress, should_stop, resume, replanned)
         else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
             logits = spec.output.tta_average == "logits"
             per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
@@ -206,7 +257,7 @@ class Model:
             for axes in plan.flips:
                 dims = tuple(1 + a for a in axes)
                 flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-                y = self._tiled(flipped, plan, per_pass, None, progress, should_stop)
+                y, plan = self._tiled(flipped, plan, per_pass, None, progress, should_stop, None, replanned)
                 y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
                 total = y.copy() if total is None else total + y
             assert total is not None
@@ -235,6 +286,41 @@ class Model:
         progress: bool | Callable[[int], object],
         should_stop: Callable[[], bool] | None = None,
         resume: Resume | None = None,
+        replanned: Callable[[RunPlan], object] | None = None,
+    ) -> tuple[npt.NDArray[Any], RunPlan]:
+        """One tiled pass of ``plan`` over ``x``, retried smaller when the device runs out of
+        memory; returns the result and the plan that made it."""
+        while True:
+            try:
+                return self._tiled_once(x, plan, reduce, out, progress, should_stop, resume), plan
+            except DeviceOutOfMemoryError as exc:
+                smaller = self.shrink(plan)
+                if smaller is None:
+                    raise
+                logger.warning(
+                    "model %s: out of memory with batch %d of %s tiles (%s); retrying with batch %d "
+                    "of %s tiles",
+                    self.spec.name,
+                    min(plan.batch_size, plan.grid.n_tiles),
+                    "x".join(map(str, plan.grid.used_tile_shape)),
+                    str(exc).splitlines()[0][:200],
+                    smaller.batch_size,
+                    "x".join(map(str, smaller.grid.used_tile_shape)),
+                )
+                _release_device_memory(self.predictor.device)
+                plan, resume = smaller, None  # a resumed run's rows belong to the old grid
+                if replanned is not None:
+                    replanned(plan)
+
+    def _tiled_once(
+        self,
+        x: npt.NDArray[np.float32],
+        plan: RunPlan,
+        reduce: Any,
+        out: Any,
+        progress: bool | Callable[[int], object],
+        should_stop: Callable[[], bool] | None = None,
+        resume: Resume | None = None,
     ) -> npt.NDArray[Any]:
         """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
         from tiling import tiled_inference
@@ -248,7 +334,7 @@ class Model:
                 result: npt.NDArray[Any] = tiled_inference(
                     x,
                     self.predictor,
-                    tile_shape=plan.tile,
+                    tile_shape=plan.grid.tile_shape,
                     halo=plan.halo,
                     overlap=plan.overlap,
                     blend=plan.blend.value,
@@ -310,3 +396,11 @@ class Model:
             return
         halo = context_halo(plan.halo, self.receptive_field(), plan.tile)
         context.prepare_context(x, tile=plan.tile, halo=halo, batch_size=plan.batch_size)
+
+
+def _release_device_memory(device: Any) -> None:
+    """Give the CUDA caching allocator's free blocks back before a smaller retry."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()

@@ -34,6 +34,9 @@ class RunPlan:
             sample.
         grid: the tile grid the run executes (once per entry of :attr:`flips`).
         tta: test-time augmentation.
+        tile_source: where :attr:`tile` came from: ``given`` (the request), ``default`` (the
+            spec), ``grown`` (a larger tile where the halo ate the default one) or ``budget``
+            (chosen within ``TILEWISE_MEMORY_BUDGET``); see :mod:`models.planner`.
     """
 
     model: str
@@ -47,6 +50,7 @@ class RunPlan:
     halo_source: str
     grid: TileGrid
     tta: Tta = Tta.NONE
+    tile_source: str = "given"
 
     @property
     def flips(self) -> tuple[tuple[int, ...], ...]:

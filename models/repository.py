@@ -125,6 +125,8 @@ class ModelRepository:
         With ``probe`` (default), a model whose receptive field is unknown (no ``receptive_field``
         in its spec, not analytic) is probed now, once: ``halo="auto"`` needs the radius, and
         :meth:`spec` / ``/v1/models`` then report it (text-det-2d: about 5 s on two CPU cores).
+        Each model's :meth:`~models.Model.footprint` (memory and time per voxel, for plans, the
+        request budget and dry runs) is measured too, before any request runs beside it.
         """
         import torch
 
@@ -134,6 +136,8 @@ class ModelRepository:
             size = max(spec.alignment, 8)
             batch = torch.zeros((1, spec.in_channels, *([size] * spec.spatial_dims)))
             model.predictor(batch)
+            if probe:
+                model.footprint()
             if probe and model.known_receptive_field is None:
                 start = time.perf_counter()
                 radius = model.receptive_field()

@@ -58,7 +58,7 @@ from pydantic import (
 )
 
 from models.errors import SpecError
-from models.params import Blend, InferenceParams, OutputKind, StrEnum, _per_axis
+from models.params import REQUEST_ONLY, Blend, InferenceParams, OutputKind, StrEnum, _per_axis
 from models.steps import STEP_PARAMS, PreprocessStep, check_params
 
 __all__ = [
@@ -229,6 +229,9 @@ class ModelSpec(BaseModel):
             raise ValueError("field 'architecture' is required for backend 'eager'")
         if self.backend == Backend.ANALYTIC:
             check_params("params", self.params, ANALYTIC_PARAMS)
+        request_only = sorted(name for name in REQUEST_ONLY if getattr(self.defaults, name))
+        if request_only:
+            raise ValueError(f"field 'defaults.{request_only[0]}' is a request option, not a model default")
         filled = self.defaults.merged(
             InferenceParams(
                 tile=256 if ndim < 3 else 96,
