@@ -253,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         tile, overlap = int(parts[0]), int(parts[1])
         halo = int(parts[2]) if len(parts) > 2 else 0
         blend = parts[3] if len(parts) > 3 else "gaussian"
-        grid = TileGrid.plan(FRAME_SHAPE, tile, halo, overlap=overlap, alignment=32, blend=blend)
+        # Tiles keep their size (as Model.run plans a tile-dependent network): sized to the grid,
+        # 224^3 tiles over 256^3 would shrink to 160^3.
+        grid = TileGrid.plan(
+            FRAME_SHAPE, tile, halo, overlap=overlap, blend=blend, alignment=32, fixed_tile_shape=True
+        )
         key = (tile, halo, blend, tuple(a.starts for a in grid.axes))
         if key in seen:  # tile origins are multiples of 32: a smaller overlap may give the same grid
             print(f"plan {plan}: same tiles as {seen[key]}, skipped", flush=True)
@@ -261,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         seen[key] = plan
         rec = Recorder(model.predictor)
         start = time.perf_counter()
-        out = tiled_inference(xp, rec, tile_shape=tile, halo=halo, overlap=overlap, blend=blend, alignment=32)
+        out = tiled_inference(
+            xp, rec, tile, halo, overlap=overlap, blend=blend, alignment=32, fixed_tile_shape=True
+        )
         seconds = time.perf_counter() - start
         worst, mean = seam(grid, rec.tiles) if grid.n_tiles > 1 else (0.0, 0.0)
         del rec

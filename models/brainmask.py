@@ -25,26 +25,25 @@ What deepbet does (``deepbet/bet.py`` and ``deepbet/utils.py`` of the wheel):
 The network has learnt where a brain lies in that frame: given a wider field of view it calls
 background "brain" (the MNI152 T1 whole at 1 mm: Dice 0.73 against nilearn's mask; in its frame:
 0.98), and tiles much smaller than the frame see a brain of their own (128^3 tiles of the 256^3
-frame: Dice 0.75-0.78 against the whole pass; 192^3: 0.99, but neighbouring tiles disagree by
-0.25 on average where they overlap; 224^3: 0.99 and 0.005). Hence the frame here
+frame: Dice 0.75-0.78 against the whole pass; 192^3: 0.993, neighbouring tiles disagreeing by
+0.03 on average where they overlap; 224^3: 0.991 and 0.002). Hence the frame here
 (:func:`to_frame`) and the default of one 256^3 tile, the frame itself (``benchmarks/BRAINMASK.md``).
 
-Geometry this module does in numpy/torch until the spec carries it: reorientation to RAS, and the
-brain frame: the box is found without deepbet's second network, as the planes whose foreground
-fraction (above 10 % of the 0.5-99.5 % intensity range) exceeds 2 %, widened by 10 % per side and
-resized to 256^3 ``nearest-exact``. For a skull-stripped volume (the MNI152 template) that is
-deepbet's box; for a whole head it is the head's box, a wider frame than deepbet's.
+The spec says all of this but step 4's post-processing (its own spec fields, applied by
+:mod:`models.mapping` for the server, ``tilewise infer`` and :func:`brain_mask` alike):
+``orientation: RAS``; ``frame: {shape: [256, 256, 256], margin: 0.1}``, the box being found
+without deepbet's second network, as the planes whose foreground fraction (above 10 % of the
+0.5-99.5 % intensity range) exceeds 2 % (for a skull-stripped volume such as the MNI152 template
+that is deepbet's box; for a whole head it is the head's box, a wider frame than deepbet's),
+resampled linearly both ways; the intensity steps of item 3 as ``preprocess``; ``labels``
+``{0: background, 1: brain}`` (the argmax of the two channels is ``p > 0.5``). No ``spacing``:
+deepbet resizes the box whatever the voxel size. :func:`to_frame` and :func:`from_frame` keep
+deepbet's own ``nearest-exact`` resizing, as the reference the benchmark measures against.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from models.errors import ChecksumMismatchError, InputError, WeightsError
+from models.errors import InputError
 from models.spec import ModelSpec, spec_from_mapping
-from models.weights import sha256_file
+from models.wheels import WheelMember, extract_member
 
 if TYPE_CHECKING:
     from models.model import Model
@@ -67,7 +66,6 @@ __all__ = [
     "BRAIN_MASK_SHA256",
     "BrainFrame",
     "FRAME_SHAPE",
-    "SECOND_WAVE_FIELDS",
     "WHEEL_MEMBER",
     "WHEEL_REQUIREMENT",
     "brain_box",
@@ -87,25 +85,16 @@ WHEEL_REQUIREMENT = "deepbet==1.0.2"
 WHEEL_MEMBER = "data/models/model.pt"
 #: SHA-256 of ``data/models/model.pt`` inside deepbet-1.0.2-py3-none-any.whl (8,698,000 bytes).
 BRAIN_MASK_SHA256 = "de8ee7c69654d0dd3935dc4a5d84571d8ecf4637a6bfc01df399c4c2bc86e0fd"
+_WHEEL = WheelMember(
+    BRAIN_MASK_NAME, WHEEL_REQUIREMENT, "deepbet-*.whl", WHEEL_MEMBER, BRAIN_MASK_FILE, BRAIN_MASK_SHA256
+)
 #: The network's input: the brain's box resized to this shape (deepbet's ``shape``).
 FRAME_SHAPE = (256, 256, 256)
 #: Fraction of the box size added on each side (deepbet's ``bbox_margin``).
 BOX_MARGIN = 0.1
-#: A plane belongs to the box when more than this fraction of it is foreground (deepbet's
-#: ``get_bbox`` threshold).
-PLANE_FRACTION = 0.02
-#: Foreground: above this fraction of the 0.5-99.5 % intensity range.
-FOREGROUND_LEVEL = 0.1
 #: ``normalize`` step equal to deepbet's ``0.226 * z + 0.449`` (``(z - mean) / std``).
 _AFFINE_MEAN = -0.449 / 0.226
 _AFFINE_STD = 1.0 / 0.226
-#: Spec fields of the second wave (DESIGN.md), not in the schema yet: merge them into
-#: :func:`brain_mask_mapping` once ``models/spec.py`` accepts them. ``spacing`` is absent on
-#: purpose: deepbet resizes the brain's box to 256^3 whatever the voxel size (see module notes).
-SECOND_WAVE_FIELDS: dict[str, Any] = {
-    "orientation": "RAS",
-    "labels": {0: "background", 1: "brain"},
-}
 
 
 def brain_mask_mapping() -> dict[str, Any]:
@@ -116,7 +105,7 @@ def brain_mask_mapping() -> dict[str, Any]:
     softmax, so the activation is ``none``; ``labels`` (argmax of 2 channels) is deepbet's
     ``p > 0.5``. The default plan is one 256^3 tile, the frame itself (one pass, no seam; peak
     ~660 MB on the CPU). For a smaller memory budget: 224^3 tiles, 2x2x2, Gaussian blend (peak
-    ~490 MB, 5.4x the work; Dice 0.991 against the whole pass, seam mean 0.005); a tile below
+    ~490 MB, 5.4x the work; Dice 0.991 against the whole pass, seam mean 0.002); a tile below
     ~192^3 breaks the network's frame (128^3: Dice 0.75-0.78).
     """
     return {
@@ -135,6 +124,9 @@ def brain_mask_mapping() -> dict[str, Any]:
         "alignment": 32,
         "scale": 1,
         "tile_dependent": True,
+        "orientation": "RAS",
+        "frame": {"shape": list(FRAME_SHAPE), "margin": BOX_MARGIN},
+        "labels": {0: "background", 1: "brain"},
         "preprocess": [
             {"type": "percentile", "lo": 0.5, "hi": 99.5},
             "zscore",
@@ -179,37 +171,23 @@ class BrainFrame:
     box: tuple[slice, slice, slice]
 
 
-def brain_box(
-    volume: npt.NDArray[np.floating[Any]],
-    *,
-    margin: float = BOX_MARGIN,
-    level: float = FOREGROUND_LEVEL,
-    plane_fraction: float = PLANE_FRACTION,
-) -> tuple[slice, slice, slice]:
-    """The foreground's bounding box, widened by ``margin`` of its size per side and clipped.
-
-    Foreground: voxels above ``lo + level * (hi - lo)`` with ``lo, hi`` the 0.5 and 99.5 %
-    percentiles. An axis keeps the planes whose foreground fraction exceeds ``plane_fraction``;
-    centre and size are rounded as deepbet's ``get_bbox_with_margin`` does.
+def brain_box(volume: npt.NDArray[Any], *, margin: float = BOX_MARGIN) -> tuple[slice, slice, slice]:
+    """The foreground's box widened by ``margin`` per side (:func:`models.mapping.foreground_box`).
 
     Args:
-        volume: ``(X, Y, Z)`` finite intensities.
+        volume: ``(X, Y, Z)`` intensities.
 
     Raises:
         InputError: no plane has enough foreground (a blank volume).
     """
-    lo, hi = (float(v) for v in np.percentile(volume, [0.5, 99.5]))
-    fg = volume > lo + level * (hi - lo)
-    box = []
-    for axis, length in enumerate(fg.shape):
-        others = tuple(a for a in range(3) if a != axis)
-        planes = np.flatnonzero(fg.mean(axis=others) > plane_fraction)
-        if planes.size == 0:
-            raise InputError(f"{BRAIN_MASK_NAME}: no foreground to frame (blank volume along axis {axis})")
-        centre = (planes[-1] + 1 + planes[0]) / 2
-        size = (planes[-1] + 1 - planes[0]) * (1 + 2 * margin)
-        centre, size = round(centre), round(size)
-        box.append(slice(max(0, int(centre - size / 2)), min(length, int(centre + size / 2))))
+    from models.mapping import foreground_box
+
+    if np.ndim(volume) != 3:
+        raise InputError(f"{BRAIN_MASK_NAME}: expected a 3-D volume (X, Y, Z), got shape {np.shape(volume)}")
+    try:
+        box = foreground_box(volume, margin=margin)
+    except InputError as exc:
+        raise InputError(f"{BRAIN_MASK_NAME}: {exc}") from None
     return box[0], box[1], box[2]
 
 
@@ -284,55 +262,31 @@ def brain_mask(
     volume: npt.NDArray[Any],
     affine: npt.NDArray[Any],
     params: InferenceParams | None = None,
-    *,
-    interpolation: str = "linear",
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
     """Brain mask and brain probability of a T1-weighted volume, on the volume's own grid.
 
-    Runs ``model`` (``brain-mask-3d``) with ``params`` (default: the spec's plan) on the frame
-    of :func:`to_frame`, maps the brain probability back with :func:`from_frame` and labels
-    ``p > 0.5``.
+    Runs ``model`` (``brain-mask-3d``) as the server does (:func:`models.mapping.run_mapped`: RAS,
+    the spec's frame, its preprocessing, ``params`` or the spec's plan), maps both channels back
+    (linear) and labels ``p(brain) > 0.5``.
 
     Returns:
         ``(X, Y, Z)`` uint8 mask (1 = brain) and ``(X, Y, Z)`` float32 probability.
     """
+    from models.mapping import run_mapped
     from models.params import InferenceParams, OutputKind
 
-    x, frame = to_frame(volume, affine)
     given = (params or InferenceParams()).model_dump(exclude_unset=True)
-    probs = model.run(x, InferenceParams.model_validate({**given, "output": OutputKind.PROBABILITIES}))
-    brain = from_frame(probs[1:2], frame, interpolation=interpolation)[0]
+    run = run_mapped(
+        model,
+        np.asarray(volume)[None],
+        affine,
+        InferenceParams.model_validate({**given, "output": OutputKind.PROBABILITIES}),
+    )
+    brain = run.result[1]
     return (brain > 0.5).astype(np.uint8), brain
 
 
 # --- setup from the wheel --------------------------------------------------------------------
-
-
-def _download_wheel(dest: Path) -> Path:
-    """``pip download --no-deps deepbet==1.0.2`` into ``dest`` (pip's cache serves repeats)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--dest",
-        str(dest),
-        WHEEL_REQUIREMENT,
-    ]
-    logger.info("downloading %s: %s", WHEEL_REQUIREMENT, " ".join(cmd))
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        raise WeightsError(
-            f"model {BRAIN_MASK_NAME!r}: cannot download {WHEEL_REQUIREMENT}: {detail}"
-        ) from exc
-    wheels = sorted(dest.glob("deepbet-*.whl"))
-    if not wheels:
-        raise WeightsError(f"model {BRAIN_MASK_NAME!r}: pip download left no wheel in {dest}")
-    return wheels[0]
 
 
 def setup_brain_mask(models_dir: Path, *, wheel: Path | None = None, force: bool = False) -> Path:
@@ -353,33 +307,8 @@ def setup_brain_mask(models_dir: Path, *, wheel: Path | None = None, force: bool
     """
     import yaml
 
-    models_dir = models_dir.expanduser()
-    models_dir.mkdir(parents=True, exist_ok=True)
-    target = models_dir / BRAIN_MASK_FILE
-    spec_path = models_dir / f"{BRAIN_MASK_NAME}.yaml"
-    if force or not target.is_file() or sha256_file(target) != BRAIN_MASK_SHA256:
-        with tempfile.TemporaryDirectory(prefix="tilewise-wheel-") as tmp:
-            source = wheel.expanduser() if wheel is not None else _download_wheel(Path(tmp))
-            partial = models_dir / f".{BRAIN_MASK_FILE}.part"
-            try:
-                with zipfile.ZipFile(source) as zf, zf.open(WHEEL_MEMBER) as src, partial.open("wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            except (OSError, KeyError, zipfile.BadZipFile) as exc:
-                partial.unlink(missing_ok=True)
-                raise WeightsError(
-                    f"model {BRAIN_MASK_NAME!r}: cannot extract {WHEEL_MEMBER} from {source}: {exc}"
-                ) from exc
-            digest = sha256_file(partial)
-            if digest != BRAIN_MASK_SHA256:
-                partial.unlink(missing_ok=True)
-                raise ChecksumMismatchError(
-                    f"model {BRAIN_MASK_NAME!r}: {WHEEL_MEMBER} from {source} has SHA-256 {digest}, "
-                    f"expected {BRAIN_MASK_SHA256}"
-                )
-            os.replace(partial, target)
-        logger.info("model %s: wrote %s (sha256 %s)", BRAIN_MASK_NAME, target, BRAIN_MASK_SHA256)
-    else:
-        logger.info("model %s: %s already present and verified", BRAIN_MASK_NAME, target)
+    extract_member(_WHEEL, models_dir, wheel=wheel, force=force)
+    spec_path = models_dir.expanduser() / f"{BRAIN_MASK_NAME}.yaml"
     spec_path.write_text(
         "# Written by `tilewise setup-models`; the TorchScript file is never committed.\n"
         + yaml.safe_dump(brain_mask_mapping(), sort_keys=False),

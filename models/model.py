@@ -22,15 +22,16 @@ import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
 from models.calibration import HaloCalibrator
-from models.errors import DeviceOutOfMemoryError, InputError
+from models.errors import InputError
 from models.footprint import Footprint, footprint_of
-from models.params import InferenceParams, OutputKind
+from models.params import Blend, InferenceParams, OutputKind
 from models.plan import RunPlan
-from models.planner import default_memory_budget, given_halo_rule, shrink_plan, size_plan
+from models.planner import default_memory_budget, given_halo_rule, retry_smaller, size_plan
 from models.preprocess import make_reduce, preprocess
 from models.receptive import HaloCalibration
+from models.seams import SeamPolicy
 from models.spec import ModelSpec
-from tiling import Resume, aligned_extent, context_halo
+from tiling import Resume, SeamStats, aligned_extent, context_halo
 from tiling.geometry import as_ints
 
 __all__ = ["Model"]
@@ -45,6 +46,7 @@ class Model:
         spec: the :class:`~models.ModelSpec`.
         predictor: the backend's :class:`~models.Predictor`.
         calibrator: its receptive field and calibrated halos.
+        seams: its tile dependence (spec or probe), seam measurement and halo warnings.
     """
 
     #: Global-pooling models: images of at most this many tiles' voxels get their pool means from
@@ -57,6 +59,7 @@ class Model:
         self.calibrator = HaloCalibrator(spec, predictor)
         self.context = predictor if isinstance(predictor, PoolingContext) else None
         self._run_lock = threading.Lock()
+        self.seams = SeamPolicy(spec, predictor, self.calibrator)
         self._footprint_lock = threading.Lock()
         self._footprint: Footprint | None = None
 
@@ -69,6 +72,16 @@ class Model:
     def known_receptive_field(self) -> tuple[int, ...] | None:
         """The radius per axis when known (spec, analytic net or a probe already run), else ``None``."""
         return self.calibrator.known_radius
+
+    @property
+    def known_tile_dependent(self) -> bool | None:
+        """Tile dependence when known (the spec, an analytic or global-pooling net, a probe already
+        run), else ``None``: :attr:`seams` ``.known``."""
+        return self.seams.known
+
+    def is_tile_dependent(self) -> bool:
+        """Whether the network is tile-dependent, probed now (once) when unknown (:attr:`seams`)."""
+        return self.seams.tile_dependent()
 
     def receptive_field(self) -> tuple[int, ...]:
         """Receptive-field radius per axis (voxels): from the spec, else probed once."""
@@ -154,30 +167,34 @@ class Model:
         assert p.blend is not None and p.batch_size is not None and p.output is not None
         tile = as_ints(p.tile, ndim, "tile", minimum=1)
         overlap = as_ints(p.overlap, ndim, "overlap", minimum=0)
-        auto = p.halo == "auto"
-        verify = None
-        if auto:
+        blend = p.blend
+        auto, verify = p.halo == "auto", None
+        if auto and self.is_tile_dependent():
+            # no halo reproduces the whole image: no search, the blended default plan
+            halo_of, source = given_halo_rule((0,) * ndim), "tile-dependent"
+            if "overlap" not in given and not any(overlap):
+                overlap = tuple(t // 2 for t in tile)  # nnU-Net's half a tile
+            if "blend" not in given and blend == Blend.CONSTANT:
+                blend = Blend.GAUSSIAN
+        elif auto:
             assert p.halo_tolerance is not None
             tolerance = p.halo_tolerance
             halo_of, verify, source = self.calibrator.auto_rules(shape, tile, tolerance, sample, calibrate)
         else:
             halo_of, source = given_halo_rule(as_ints(p.halo, ndim, "halo", minimum=0)), "given"
+        dependent = bool(self.known_tile_dependent)
         sized = size_plan(
             spec,
             shape,
             tile,
             halo_of,
             overlap,
-            p.blend,
+            blend,
             p.batch_size,
             p.output,
             p.tta,
-            # A calibrated halo is an estimate from sampled tiles; the fixed-shape plan keeps the
-            # margins it was calibrated with (text-det-2d's calibrated halo 61 errs by 0.023 with
-            # tiles sized to the grid). A tile-dependent network's output depends on the tile it
-            # sees, so its plans hold at the tile size they were measured at (brain-mask-3d, 192^3
-            # tiles over its 256^3 frame: Dice 0.98 against the whole pass; sized to 160^3, 0.966).
-            fixed_tile_shape=auto or spec.tile_dependent,
+            fixed_tile_shape=auto or dependent,  # why: models.planner's docstring
+            tile_dependent=dependent,
             tile_given="tile" in given and params is not None and params.tile is not None,
             batch_given="batch_size" in given and params is not None and params.batch_size is not None,
             auto_halo=auto,
@@ -188,17 +205,14 @@ class Model:
             input_bytes=input_bytes,
             copies_input=copies_input,
         )
+        warning = self.seams.halo_warning(sized.grid, sized.halo) if source == "given" else None
         plan = RunPlan(
-            spec.name, shape, sized.tile, sized.halo, overlap, p.blend, sized.batch_size, p.output, source,
-            sized.grid, p.tta, sized.tile_source,
+            spec.name, shape, sized.tile, sized.halo, overlap, blend, sized.batch_size, p.output, source,
+            sized.grid, p.tta, warning=warning, mirror_axes=spec.mirror_axes, tile_source=sized.tile_source,
         )  # fmt: skip
         logger.info("model %s: plan %s (halo from %s, tile %s)", spec.name, plan.header(), source,
                     sized.tile_source)  # fmt: skip
         return plan
-
-    def shrink(self, plan: RunPlan) -> RunPlan | None:
-        """The plan to retry after the device ran out of memory (:func:`models.planner.shrink_plan`)."""
-        return shrink_plan(plan, self.spec)
 
     def execute(
         self,
@@ -209,19 +223,22 @@ class Model:
         progress: bool | Callable[[int], object] = False,
         should_stop: Callable[[], bool] | None = None,
         resume: Resume | None = None,
+        seam: SeamStats | None = None,
         replanned: Callable[[RunPlan], object] | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
         When the device runs out of memory (:class:`~models.errors.DeviceOutOfMemoryError`), the
-        pass runs again from its start with half the batch, then half the tile (:meth:`shrink`),
+        pass runs again from its start with half the batch, then half the tile,
         until it fits or neither can shrink; ``replanned`` is told each smaller plan, and the
         passes after it use that plan. A local network with a halo at its receptive field gives
         the same output with any tile and batch.
 
-        With ``tta=mirror`` the plan runs once per flip of the spatial axes and the probabilities
-        (or, with ``output.tta_average: logits``, the logits, as nnU-Net does) are averaged before
-        labels are taken: for a local network, tiled TTA equals whole-image TTA.
+        With ``tta=mirror`` the plan runs once per flip of the spec's ``mirror_axes`` and the
+        probabilities (or, with ``output.tta_average: logits``, the logits, as nnU-Net does) are
+        averaged before labels are taken: for a local network, tiled TTA equals whole-image TTA.
+        ``seam`` (see :meth:`seam_stats`) gathers the disagreement of overlapping tiles over
+        every pass.
 
         Returns:
             ``(C_out, *spatial * scale)`` probabilities after the activation (float32, or float16
@@ -249,7 +266,8 @@ class Model:
         if len(plan.flips) == 1:
             target = out[None] if out is not None and labels else out
             reduce = make_reduce(spec.activation, plan.output.value)
-            result, plan = self._tiled(x, plan, reduce, target, progress, should_stop, resume, replanned)
+            run = (progress, should_stop, resume, seam, replanned)
+            result, plan = self._tiled(x, plan, reduce, target, *run)
         else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
             logits = spec.output.tta_average == "logits"
             per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
@@ -257,7 +275,8 @@ class Model:
             for axes in plan.flips:
                 dims = tuple(1 + a for a in axes)
                 flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-                y, plan = self._tiled(flipped, plan, per_pass, None, progress, should_stop, None, replanned)
+                run = (progress, should_stop, None, seam, replanned)
+                y, plan = self._tiled(flipped, plan, per_pass, None, *run)
                 y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
                 total = y.copy() if total is None else total + y
             assert total is not None
@@ -277,6 +296,11 @@ class Model:
             return first
         return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
 
+    def seam_stats(self, plan: RunPlan) -> SeamStats | None:
+        """A fresh :class:`~tiling.SeamStats` when the run of ``plan`` reports its seam, else
+        ``None`` (:meth:`SeamPolicy.seam_stats`)."""
+        return self.seams.seam_stats(plan)
+
     def _tiled(
         self,
         x: npt.NDArray[np.float32],
@@ -286,31 +310,16 @@ class Model:
         progress: bool | Callable[[int], object],
         should_stop: Callable[[], bool] | None = None,
         resume: Resume | None = None,
+        seam: SeamStats | None = None,
         replanned: Callable[[RunPlan], object] | None = None,
     ) -> tuple[npt.NDArray[Any], RunPlan]:
-        """One tiled pass of ``plan`` over ``x``, retried smaller when the device runs out of
-        memory; returns the result and the plan that made it."""
-        while True:
-            try:
-                return self._tiled_once(x, plan, reduce, out, progress, should_stop, resume), plan
-            except DeviceOutOfMemoryError as exc:
-                smaller = self.shrink(plan)
-                if smaller is None:
-                    raise
-                logger.warning(
-                    "model %s: out of memory with batch %d of %s tiles (%s); retrying with batch %d "
-                    "of %s tiles",
-                    self.spec.name,
-                    min(plan.batch_size, plan.grid.n_tiles),
-                    "x".join(map(str, plan.grid.used_tile_shape)),
-                    str(exc).splitlines()[0][:200],
-                    smaller.batch_size,
-                    "x".join(map(str, smaller.grid.used_tile_shape)),
-                )
-                _release_device_memory(self.predictor.device)
-                plan, resume = smaller, None  # a resumed run's rows belong to the old grid
-                if replanned is not None:
-                    replanned(plan)
+        """One tiled pass, retried smaller when the device runs out of memory
+        (:func:`models.planner.retry_smaller`); the result and the plan that made it."""
+
+        def once(p: RunPlan, r: Resume | None) -> npt.NDArray[Any]:
+            return self._tiled_once(x, p, reduce, out, progress, should_stop, r, seam)
+
+        return retry_smaller(once, plan, self.spec, self.predictor.device, resume=resume, replanned=replanned)
 
     def _tiled_once(
         self,
@@ -321,6 +330,7 @@ class Model:
         progress: bool | Callable[[int], object],
         should_stop: Callable[[], bool] | None = None,
         resume: Resume | None = None,
+        seam: SeamStats | None = None,
     ) -> npt.NDArray[Any]:
         """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
         from tiling import tiled_inference
@@ -348,6 +358,7 @@ class Model:
                     fixed_tile_shape=plan.grid.fixed_tile_shape,
                     should_stop=should_stop,
                     resume=resume,
+                    seam=seam,
                 )
             finally:
                 if self.context is not None:
@@ -396,11 +407,3 @@ class Model:
             return
         halo = context_halo(plan.halo, self.receptive_field(), plan.tile)
         context.prepare_context(x, tile=plan.tile, halo=halo, batch_size=plan.batch_size)
-
-
-def _release_device_memory(device: Any) -> None:
-    """Give the CUDA caching allocator's free blocks back before a smaller retry."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()

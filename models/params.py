@@ -31,6 +31,7 @@ __all__ = [
     "OutputFormat",
     "OutputKind",
     "PerAxis",
+    "Spacing",
     "REQUEST_ONLY",
     "StrEnum",
     "Tta",
@@ -91,6 +92,13 @@ class Tta(StrEnum):
 
     NONE = "none"
     MIRROR = "mirror"
+
+
+class Spacing(StrEnum):
+    """``model``: resample to the spec's ``spacing`` (when it has one); ``native``: never resample."""
+
+    MODEL = "model"
+    NATIVE = "native"
 
 
 # ASCII digits only: Python's int() and float() also take other scripts' digits ("٦٤" is 64) and
@@ -245,8 +253,14 @@ class InferenceParams(BaseModel):
     )
     tta: Annotated[Tta, _choice(Tta)] = Field(
         default=Tta.NONE,
-        description="Test-time augmentation: `mirror` averages the predictions over flips of every "
-        "spatial axis (2**dims tiled passes).",
+        description="Test-time augmentation: `mirror` averages the predictions over flips of the "
+        "model's `mirror_axes` (default every spatial axis: 2**dims tiled passes).",
+    )
+    spacing: Annotated[Spacing, _choice(Spacing)] = Field(
+        default=Spacing.MODEL,
+        description="`model`: resample NIfTI inputs to the model's spacing (and the output back); "
+        "`native`: no resampling (reorientation still applies). Images without an affine (PNG, "
+        "TIFF, JPEG) are always native.",
     )
 
     dry_run: Annotated[bool, BeforeValidator(_flag)] = Field(

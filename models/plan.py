@@ -30,10 +30,14 @@ class RunPlan:
         blend: blend window of overlapping cores.
         batch_size: tiles per forward pass.
         output: probabilities or labels.
-        halo_source: ``"given"``, ``"one tile"`` (auto, nothing to calibrate) or the calibration's
-            sample.
+        halo_source: ``"given"``, ``"one tile"`` (auto, nothing to calibrate), ``"tile-dependent"``
+            (auto on a tile-dependent model: the blended default plan, no search) or the
+            calibration's sample.
         grid: the tile grid the run executes (once per entry of :attr:`flips`).
         tta: test-time augmentation.
+        warning: one sentence when a given halo is below a local model's receptive-field radius
+            on an axis with more than one tile (the ``X-Tilewise-Warning`` header), else ``None``.
+        mirror_axes: the spatial axes ``tta=mirror`` flips (the spec's ``mirror_axes``).
         tile_source: where :attr:`tile` came from: ``given`` (the request), ``default`` (the
             spec), ``grown`` (a larger tile where the halo ate the default one) or ``budget``
             (chosen within ``TILEWISE_MEMORY_BUDGET``); see :mod:`models.planner`.
@@ -50,14 +54,17 @@ class RunPlan:
     halo_source: str
     grid: TileGrid
     tta: Tta = Tta.NONE
+    warning: str | None = None
+    mirror_axes: tuple[int, ...] | None = None
     tile_source: str = "given"
 
     @property
     def flips(self) -> tuple[tuple[int, ...], ...]:
-        """Spatial axes flipped in each tiled pass: ``((),)``, or every subset for ``tta=mirror``."""
+        """Spatial axes flipped in each tiled pass: ``((),)``, or for ``tta=mirror`` every subset of
+        :attr:`mirror_axes` (default: all axes), the empty one first."""
         if self.tta == Tta.NONE:
             return ((),)
-        axes = range(len(self.spatial_shape))
+        axes = range(len(self.spatial_shape)) if self.mirror_axes is None else self.mirror_axes
         return tuple(c for k in range(len(axes) + 1) for c in itertools.combinations(axes, k))
 
     @property

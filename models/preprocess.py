@@ -110,9 +110,9 @@ def _apply(step: PreprocessStep, x: npt.NDArray[Any], spec: ModelSpec) -> npt.ND
         return _zscore(xf, bool(p.get("nonzero")))
     if kind == "clip":
         shape = (-1,) + (1,) * spec.spatial_dims
-        lo = _per_channel(p["lo"], x.shape[0], "lo").reshape(shape)
-        hi = _per_channel(p["hi"], x.shape[0], "hi").reshape(shape)
-        return np.clip(xf, lo, hi).astype(np.float32)
+        lows = _per_channel(p["lo"], x.shape[0], "lo").reshape(shape)
+        highs = _per_channel(p["hi"], x.shape[0], "hi").reshape(shape)
+        return np.clip(xf, lows, highs).astype(np.float32)
     if kind == "scale_range":  # MONAI ScaleIntensityRange, float32 arithmetic in its order
         a_min, a_max, b_min, b_max = (float(p[k]) for k in ("a_min", "a_max", "b_min", "b_max"))
         if a_max == a_min:

@@ -14,10 +14,12 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     alignment: 4                  # total stride of the network (tile sizes are multiples of it)
     scale: 1                      # output voxels per input voxel
     receptive_field: [10, 10, 10] # radius per axis in voxels, when known (else measured)
-    tile_dependent: false         # instance norm / attention / global pooling over the tile
+    tile_dependent: false         # instance norm / attention / global pooling (absent: probed at warm-up)
     spacing: [1.0, 1.0, 1.0]      # mm per spatial axis the network was trained at (inputs resampled)
     orientation: RAS              # axis codes the network was trained in (3-D; inputs reoriented)
     labels: {0: background, 1: grey matter}  # label index -> name
+    mirror_axes: [0, 1, 2]        # model-grid axes that tta=mirror flips (default: all)
+    frame: {shape: [256, 256, 256], margin: 0.1}  # foreground box resized to shape (not with spacing)
     global_pooling: false         # global average pools whose statistics come from the whole image
     precision: fp32               # fp32 | fp16 | bf16 (autocast, CUDA only)
     channels_last: false          # CUDA memory format
@@ -28,8 +30,8 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     defaults: {tile: [96, 96, 96], halo: auto, overlap: 0, blend: constant, batch_size: 2}
 
 ``defaults`` is :class:`~models.params.InferenceParams` (the same schema as the HTTP query and the
-CLI options); unset ones are filled in (tile 256 per axis in 1-D/2-D, 96 in 3-D; halo and overlap
-0; blend constant; batch size 1; output ``output.kind``) and per-axis values broadcast, so
+CLI options); unset ones are filled in (tile 256 per axis in 1-D/2-D, 96 in 3-D; halo ``auto``;
+overlap 0; blend constant; batch size 1; output ``output.kind``) and per-axis values broadcast, so
 ``spec.defaults`` is complete but for ``format`` (``None``: it follows the input).
 
 Unknown fields are refused. Invalid specs raise :class:`~models.errors.SpecError` naming the file
@@ -59,7 +61,7 @@ from pydantic import (
 
 from models.errors import SpecError
 from models.params import REQUEST_ONLY, Blend, InferenceParams, OutputKind, StrEnum, _per_axis
-from models.steps import STEP_PARAMS, PreprocessStep, check_params
+from models.steps import STEP_PARAMS, FrameSpec, PreprocessStep, check_params
 
 __all__ = [
     "ANALYTIC_PARAMS",
@@ -193,10 +195,12 @@ class ModelSpec(BaseModel):
     alignment: Positive = 1
     scale: Positive = 1
     receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
-    tile_dependent: StrictBool = False
+    tile_dependent: StrictBool | None = None
     spacing: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)], ...] | None = None
     orientation: Annotated[StrictStr, AfterValidator(_orientation)] | None = None
     labels: dict[Annotated[int, Field(ge=0)], StrictStr] | None = None
+    mirror_axes: tuple[Annotated[StrictInt, Field(ge=0)], ...] | None = None
+    frame: FrameSpec | None = None
     global_pooling: StrictBool = False
     precision: Precision = Precision.FP32
     channels_last: StrictBool = False
@@ -229,13 +233,15 @@ class ModelSpec(BaseModel):
             raise ValueError("field 'architecture' is required for backend 'eager'")
         if self.backend == Backend.ANALYTIC:
             check_params("params", self.params, ANALYTIC_PARAMS)
+            if self.tile_dependent is None:  # fixed filters: local by construction
+                object.__setattr__(self, "tile_dependent", False)
         request_only = sorted(name for name in REQUEST_ONLY if getattr(self.defaults, name))
         if request_only:
             raise ValueError(f"field 'defaults.{request_only[0]}' is a request option, not a model default")
         filled = self.defaults.merged(
             InferenceParams(
                 tile=256 if ndim < 3 else 96,
-                halo=0,
+                halo="auto",  # seam-safe: never 0 unless the spec says so
                 halo_tolerance=1e-4,
                 overlap=0,
                 blend=Blend.CONSTANT,
@@ -246,14 +252,19 @@ class ModelSpec(BaseModel):
         update = {name: _broadcast(f"defaults.{name}", getattr(filled, name), ndim)
                   for name in ("tile", "halo", "overlap")}  # fmt: skip
         object.__setattr__(self, "defaults", filled.model_copy(update=update))
-        if self.spacing is not None and len(self.spacing) != ndim:
-            got = list(self.spacing)
+        if self.spacing is not None and len(got := list(self.spacing)) != ndim:
             raise ValueError(f"field 'spacing' must list {ndim} values (mm per axis), got {got}")
         if self.orientation is not None and len(self.orientation) != ndim:
             raise ValueError(f"field 'orientation' must give {ndim} axis codes, got {self.orientation!r}")
+        if self.frame is not None and (len(self.frame.shape) != ndim or self.spacing is not None):
+            raise ValueError(f"field 'frame' needs {ndim} sizes in 'shape', and no 'spacing' beside it")
         rf = self.receptive_field
         if rf is not None:
             object.__setattr__(self, "receptive_field", _broadcast("receptive_field", rf, ndim))
+        axes = tuple(range(ndim)) if self.mirror_axes is None else self.mirror_axes
+        if any(a >= ndim for a in axes) or len(set(axes)) != len(axes):
+            raise ValueError(f"field 'mirror_axes' must list distinct axes < {ndim}, got {list(axes)}")
+        object.__setattr__(self, "mirror_axes", tuple(sorted(axes)))
         return self
 
     # Names used throughout the code base for the nested output settings.
@@ -295,6 +306,8 @@ class ModelSpec(BaseModel):
             "orientation": self.orientation,
             "labels": None if self.labels is None else {str(k): v for k, v in self.labels.items()},
             "tile_dependent": self.tile_dependent,
+            "mirror_axes": list(self.mirror_axes or ()),
+            "frame": None if self.frame is None else self.frame.model_dump(mode="json"),
         }
 
     def with_receptive_field(self, radius: tuple[int, ...]) -> ModelSpec:

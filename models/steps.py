@@ -1,7 +1,8 @@
 """Preprocessing steps of a model spec: their types, their parameters, their validation.
 
 In a spec file a step is a name (``zscore``) or a mapping with ``type`` and the parameters
-(``{type: ct_window, lo: -1000, hi: 400}``); :mod:`models.preprocess` applies them.
+(``{type: ct_window, lo: -1000, hi: 400}``); :mod:`models.preprocess` applies them. The spec's
+``frame`` (:class:`FrameSpec`), a geometric step, is applied by :mod:`models.mapping`.
 
 Steps written by ``tilewise import-model`` follow their source exactly: ``scale_range`` is MONAI's
 ``ScaleIntensityRange(a_min, a_max, b_min, b_max, clip)``; ``zscore`` with ``channel_wise`` /
@@ -13,11 +14,11 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-__all__ = ["PreprocessStep", "STEP_OPTIONS", "STEP_PARAMS", "check_params"]
+__all__ = ["FrameSpec", "PreprocessStep", "STEP_OPTIONS", "STEP_PARAMS", "check_params"]
 
 _Number = (int, float)
 #: Preprocessing step types and their parameters (name -> accepted types); all are required.
@@ -95,3 +96,17 @@ class PreprocessStep(BaseModel):
     def to_spec(self) -> str | dict[str, Any]:
         """The spec-file form of the step."""
         return {"type": self.kind, **self.params} if self.params else self.kind
+
+
+class FrameSpec(BaseModel):
+    """``frame``: the network sees the foreground's box, widened by ``margin`` of its size on each
+    side, resized to ``shape`` (deepbet's brain frame; MONAI's ``CropForeground`` + ``Resize``).
+
+    The foreground is the voxels above 10 % of the 0.5-99.5 % intensity range; an axis keeps the
+    planes of which more than 2 % is foreground. Exclusive with ``spacing``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    shape: tuple[Annotated[StrictInt, Field(ge=1)], ...]
+    margin: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.1

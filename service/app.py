@@ -8,6 +8,8 @@ before the server accepts requests; then starts the device executor. Run it with
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import tempfile
 from collections.abc import AsyncIterator
@@ -28,6 +30,7 @@ from service.metrics import Metrics
 from service.requestid import RequestIdMiddleware
 from service.routes import health_router, v1_router
 from service.routes.apidocs import install_docs
+from service.routes.page import install_page
 from service.settings import Settings, get_settings
 from service.upload import UploadSlots
 from service.workdir import WorkRoot
@@ -52,16 +55,22 @@ def _device_name(settings: Settings) -> str:
 
 
 def _load_repository(settings: Settings) -> Any:
-    """Build the model repository and warm it up (runs in a worker thread)."""
+    """Build the model repository and warm it up (runs in a worker thread).
+
+    A model that fails (spec, weights, warm-up check) is listed as unavailable with its reason;
+    with ``TILEWISE_STRICT_MODELS=true`` the failure stops the start-up instead.
+    """
     from models import ModelRepository
 
     fix_mmap_threshold(settings.mmap_threshold_bytes)  # before the warm-up measures footprints
-    repository = ModelRepository(settings.models_dir, device=settings.device)
+    repository = ModelRepository(settings.models_dir, device=settings.device, strict=settings.strict_models)
     names = repository.names()
     logger.info("loaded %d models on %s: %s", len(names), _device_name(settings), ", ".join(names))
     if settings.warmup:
         repository.warmup()
         logger.info("models warmed up")
+    for name, why in sorted(repository.unavailable().items()):
+        logger.error("model %s is unavailable: %s", name, why)
     release_free_memory()
     return repository
 
@@ -102,6 +111,8 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
             after_job=release_free_memory,
         )
         app.state.repository = repo
+        app.state.load_repository = functools.partial(_load_repository, settings)
+        app.state.reload_lock = asyncio.Lock()
         app.state.executor = executor
         app.state.device = device
         jobs = await anyio.to_thread.run_sync(_open_jobs, settings, executor, app, metrics)
@@ -155,6 +166,7 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
     app.include_router(health_router)
     app.include_router(v1_router)
     install_docs(app)
+    install_page(app)
     return app
 
 

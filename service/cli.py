@@ -19,7 +19,18 @@ from service._options import HelpFormatter, plain_text
 logger = logging.getLogger(__name__)
 
 #: Sub-command modules, in the order ``tilewise --help`` lists them.
-COMMANDS = ("serve", "infer", "plan", "batch", "demo", "setup_models", "export_onnx", "import_model")
+COMMANDS = (
+    "serve",
+    "infer",
+    "plan",
+    "batch",
+    "demo",
+    "setup_models",
+    "setup_web",
+    "export_onnx",
+    "import_model",
+    "train_tissue",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,7 +42,7 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
 
     spec = model.spec
     header = check_input(spec, source, limits)
-    shape = model_shape(spec, header)
+    shape = model_shape(spec, header, params)
     footprint = model.footprint()
     held = {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
     plan = model.plan(

@@ -73,6 +73,8 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     UnsupportedMediaTypeError: (415, "unsupported_media_type"),
     DecodeError: (422, "decode_error"),
     UnusableInputError: (422, "unusable_input"),
+    # a run that cannot be spread over the Dask cluster as asked (tile-dependent network, no shared out)
+    tiling_errors.DistributedError: (422, "not_distributable"),
     model_errors.InputError: (422, "unusable_input"),
     OverBudgetError: (422, "over_budget"),
     QueueFullError: (503, "queue_full"),

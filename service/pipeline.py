@@ -1,10 +1,18 @@
-"""The one orchestration of a request: decode, fit, preprocess, plan, tiled run, postprocess, encode.
+"""The one orchestration of a request: decode, fit, map to the model grid, preprocess, plan, tiled
+run, map back, postprocess, encode.
 
 The server (in its executor thread, for a request or a job) and ``tilewise infer`` all call
 :func:`run_file`, so their outputs are identical for the same file and parameters. The
 :class:`~models.RunPlan` is made once, on the preprocessed image, before the run; the result
-carries it to the metrics (``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``).
-Nothing plans again after a run.
+carries it to the metrics (``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``, and
+``X-Tilewise-Seam`` when the model reports its seam). Nothing plans again after a run.
+
+Geometry (:mod:`models.mapping`): a NIfTI is reoriented to the spec's ``orientation`` and resampled
+to its ``spacing`` (or its ``frame``) before preprocessing, and the output comes back on the input's
+exact grid, header and affine (labels as the argmax of probabilities resampled back, slab by slab).
+``spacing=native`` skips the resampling. 2D images (PNG, JPEG, TIFF) carry no affine and no pixel
+size: they always run on their own grid, as ``spacing=native``. A job's checkpoint holds the
+network's output on the model grid.
 
 Layout rules (DESIGN.md "Interfaces in detail"): a 2D image ``(C, H, W)`` goes to 2D models; a
 NIfTI ``(C, X, Y, Z)`` goes to 3D models, and also to 2D models when ``Z == 1`` (a single slice),
@@ -15,6 +23,7 @@ model with as many input channels as it has volumes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -29,8 +38,9 @@ from service.errors import BadParameterError, UnusableInputError
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
+    from models.mapping import MappedRun
     from service.budget import Budget
-    from tiling import Resume
+    from tiling import Resume, SeamStats
 
 __all__ = [
     "MEDIA_TYPES",
@@ -116,6 +126,8 @@ class InferenceResult:
     seconds: float
     plan: RunPlan
     size_bytes: int
+    model_shape: tuple[int, ...] = ()
+    seam: SeamStats | None = None
 
     @property
     def n_tiles(self) -> int:
@@ -193,10 +205,10 @@ def check_input(spec: Any, source: Path, limits: Limits) -> Probe:
 def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits) -> Probe:
     """Refuse, from the file's header alone, an input or a plan beyond ``limits`` (before queueing).
 
-    The plan is made on the header's shape (the preprocessed image has the decoded image's
-    shape) with the network's footprint as far as it is known (measured at warm-up; else an
-    estimate); a calibrated halo (``halo=auto``) counts as 0 here, a lower bound of the real
-    plan's cost, which :func:`run_volume` checks again before running it.
+    The plan is made on the model grid's shape, from the header's shape and affine (the spec's
+    spacing or frame), with the network's footprint as far as it is known (measured at warm-up;
+    else an estimate); a calibrated halo (``halo=auto``) counts as 0 here, a lower bound of the
+    real plan's cost, which :func:`run_volume` checks again before running it.
 
     Raises:
         PayloadTooLargeError, UnusableInputError: see :func:`check_input`.
@@ -212,7 +224,7 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
             params = params.model_copy(update={"halo": 0})
         footprint = model.known_footprint or Footprint.estimate(int(spec.in_channels))
         held = {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
-        shape = model_shape(spec, header)
+        shape = model_shape(spec, header, params)
         plan = model.plan(shape, params, memory_budget=limits.memory_budget, footprint=footprint, **held)
         limits.budget.check_plan(
             plan, int(spec.in_channels), int(spec.out_channels), footprint=footprint, **held
@@ -220,13 +232,17 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
     return header
 
 
-def model_shape(spec: Any, header: Probe) -> tuple[int, ...]:
-    """The spatial shape the model plans on for an input with this header (a one-slice NIfTI is an
-    image for a 2D model)."""
+def model_shape(spec: Any, header: Probe, params: InferenceParams) -> tuple[int, ...]:
+    """The spatial shape the model plans on for an input with this header: on the model's grid
+    (the spec's spacing or frame, from the header's affine); a one-slice NIfTI is an image for a
+    2D model."""
+    from models.mapping import header_model_shape
+
     shape = tuple(header.spatial_shape)
     if int(spec.spatial_dims) == 2 and header.single_slice:
         shape = shape[:2]
-    return shape
+    native = params.spacing == "native"
+    return tuple(header_model_shape(shape, header.info.get("affine"), spec, native=native))
 
 
 def input_bytes(header: Probe) -> int:
@@ -250,7 +266,7 @@ def run_volume(
     progress: bool | Callable[[int], object] = False,
     checkpoint: Checkpoint | None = None,
     limits: Limits | None = None,
-) -> tuple[np.ndarray, RunPlan]:
+) -> MappedRun:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
     The plan is sized within ``limits.memory_budget`` and checked against ``budget`` (default
@@ -261,34 +277,46 @@ def run_volume(
     continues from its last finished tile row.
 
     Returns:
-        ``(array, plan)``: uint8 ``(*spatial)`` labels or float32 ``(C_out, *spatial)`` values with
-        ``spatial == volume.spatial_shape``, and the plan that ran.
+        The :class:`~models.mapping.MappedRun`: its ``result`` is uint8 ``(*spatial)`` labels or
+        float32 ``(C_out, *spatial)`` values with ``spatial == volume.spatial_shape``; its
+        ``plan`` the plan that ran (on the model grid), its ``seam`` the measured seam or ``None``.
     """
+    from models.mapping import run_mapped
+
     spec = model.spec
     data, dropped = fit_to_model(volume, spec)
-    x = model.preprocess(data)
-    memory_budget = None if limits is None else limits.memory_budget
-    held = {"input_bytes": volume.data.nbytes, "copies_input": not np.shares_memory(x, volume.data)}
-    plan = model.plan(x.shape[1:], params, sample=x, memory_budget=memory_budget, **held)
     budget = budget if budget is not None else (None if limits is None else limits.budget)
-    if budget is not None:
-        footprint = model.footprint()
-        budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), footprint=footprint, **held)
-    out, resume = checkpoint.start(plan, *_output_layout(spec, plan)) if checkpoint else (None, None)
-    ran = [plan]  # the plan that ran: a smaller one when the device ran out of memory
-    result = np.asarray(
-        model.execute(
-            x, plan, out=out, resume=resume, progress=progress, should_stop=should_stop, replanned=ran.append
-        )
+
+    def check(plan: RunPlan, extra_bytes: int, copies: bool = True) -> None:
+        if budget is not None:
+            held = volume.data.nbytes + extra_bytes
+            budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=held,
+                              footprint=model.footprint(), copies_input=copies)  # fmt: skip
+
+    def start(plan: RunPlan) -> tuple[Any, Resume]:
+        assert checkpoint is not None
+        return checkpoint.start(plan, *_output_layout(spec, plan))
+
+    run = run_mapped(
+        model,
+        data,
+        volume.affine,
+        params,
+        check=check,
+        start=start if checkpoint is not None else None,
+        progress=progress,
+        should_stop=should_stop,
+        memory_budget=None if limits is None else limits.memory_budget,
+        input_bytes=volume.data.nbytes,
     )
-    plan = ran[-1]
+    result = np.asarray(run.result)
     if dropped:
         result = result[..., None]
-    if plan.output == "labels":
+    if run.plan.output == "labels":
         result = result.astype(np.uint8, copy=False)
     elif result.dtype != np.float32:
         result = result.astype(np.float32)
-    return result, plan
+    return dataclasses.replace(run, result=result)
 
 
 def _output_layout(spec: Any, plan: RunPlan) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -337,7 +365,7 @@ def run_file(
     )
     output_kind = str(params.output or spec.defaults.output)
     fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
-    array, plan = run_volume(
+    run = run_volume(
         model,
         volume,
         params,
@@ -346,6 +374,9 @@ def run_file(
         checkpoint=checkpoint,
         limits=limits,
     )
+    array, plan = run.result, run.plan
+    if plan.warning:
+        logger.warning("model %s: %s", spec.name, plan.warning)
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
     encode(volume, array, fmt, path)
     seconds = time.perf_counter() - started
@@ -371,4 +402,6 @@ def run_file(
         seconds=seconds,
         plan=plan,
         size_bytes=path.stat().st_size,
+        model_shape=run.mapping.model_shape,
+        seam=run.seam,
     )

@@ -13,6 +13,7 @@ Variable                          Meaning
 ``TILEWISE_RETRY_AFTER_S``        the ``Retry-After`` value sent with 503
 ``TILEWISE_TMP_DIR``              folder for upload / result temporary files (default: system)
 ``TILEWISE_WARMUP``               run every model once on a tiny input at start-up
+``TILEWISE_STRICT_MODELS``       a model that fails to load stops the server (default: listed unavailable)
 ``TILEWISE_GRACEFUL_SHUTDOWN_S``  on SIGTERM, seconds running requests get to finish (default 120)
 ``TILEWISE_DRAIN_S``              on SIGTERM, seconds ``/readyz`` fails (and responses close their
                                   connections) before the listener closes (default 5)
@@ -43,6 +44,8 @@ Variable                          Meaning
                                   (renewed every third of it); then another replica takes the job over
                                   (default 30; at once when the owner's process is gone, same host)
 ``TILEWISE_JOB_SCAN_S``           seconds between two looks for jobs to take over (default 1)
+``TILEWISE_WEB_DIR``              folder of the page's viewer (NiiVue), filled by ``tilewise setup-web``
+                                  (default: ``~/.cache/tilewise/web``)
 ================================  ===========================================================================
 
 ``tilewise serve`` has an option for each (``--api-key``, ``--queue-size`` ...); an option wins
@@ -90,6 +93,7 @@ class Settings(BaseSettings):
     retry_after_s: int = Field(default=2, ge=0)
     tmp_dir: Path | None = None
     warmup: bool = True
+    strict_models: bool = False
     graceful_shutdown_s: int = Field(default=120, ge=0)
     drain_s: float = Field(default=5.0, ge=0)
     max_batch_size: int = Field(default=256, ge=1)
@@ -108,6 +112,7 @@ class Settings(BaseSettings):
     job_ttl_s: float = Field(default=86400.0, gt=0)
     job_lease_s: float = Field(default=30.0, gt=0)
     job_scan_s: float = Field(default=1.0, gt=0)
+    web_dir: Path | None = None
 
     @field_validator("device", mode="before")
     @classmethod

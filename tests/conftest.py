@@ -33,15 +33,30 @@ def empty_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("no-models")
 
 
+@pytest.fixture(scope="session")
+def session_web_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A web folder for the session, holding a copy of the viewer bundle that ``tilewise setup-web``
+    verified in the user's folder (if any): ``setup-models`` finds it there and downloads nothing."""
+    from service.webassets import DEFAULT_WEB_DIR, NIIVUE_FILE
+
+    folder = tmp_path_factory.mktemp("web")
+    installed = DEFAULT_WEB_DIR / NIIVUE_FILE
+    if installed.is_file():
+        shutil.copyfile(installed, folder / NIIVUE_FILE)  # setup-web checks its digest again
+    return folder
+
+
 @pytest.fixture(autouse=True)
-def _scrub_env(monkeypatch: pytest.MonkeyPatch, empty_models_dir: Path) -> None:
+def _scrub_env(monkeypatch: pytest.MonkeyPatch, empty_models_dir: Path, session_web_dir: Path) -> None:
     """Remove every ``TILEWISE_*`` environment variable for the duration of a test, and point
-    ``TILEWISE_MODELS_DIR`` at an empty folder: no test reads or writes the user's model cache
-    (``~/.cache/tilewise/models``), in process or in the subprocesses it starts."""
+    ``TILEWISE_MODELS_DIR`` at an empty folder and ``TILEWISE_WEB_DIR`` at the session's: no test
+    reads or writes the user's caches (``~/.cache/tilewise/``), in process or in the subprocesses
+    it starts."""
     for name in list(os.environ):
         if name.startswith("TILEWISE_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("TILEWISE_MODELS_DIR", str(empty_models_dir))
+    monkeypatch.setenv("TILEWISE_WEB_DIR", str(session_web_dir))
 
 
 @pytest.fixture(autouse=True)

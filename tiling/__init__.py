@@ -29,6 +29,7 @@ from tiling.plan import (
     round_up,
 )
 from tiling.resume import Resume, ResumePoint, resume_point
+from tiling.seam import SeamStats
 from tiling.windows import pad_to_fit, sample_windows, sliding_windows
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "Resume",
     "ResumePoint",
     "RunCancelledError",
+    "SeamStats",
     "ShapeMismatchError",
     "Tile",
     "TileGrid",

@@ -39,7 +39,7 @@ Tile-dependent networks (instance norm, attention, global pooling) are *refused*
 more than one chunk: every chunk border would be a seam that no depth removes, and the trim keeps
 each side's output unblended. See :class:`TileDependentError`.
 
-Errors (``tiling.errors`` tree, extended here)::
+Errors (``tiling.errors`` tree)::
 
     TilingError
       GridError(TilingError, ValueError)          invalid halo/tile/chunk/alignment/scale (client side)
@@ -49,6 +49,10 @@ Errors (``tiling.errors`` tree, extended here)::
 This module imports without Dask installed (``tiling`` must); Dask, ``distributed`` and ``zarr``
 (the ``distributed`` extra: ``pip install 'tilewise[distributed]'``) are imported when a function
 needs them.
+
+Modules: this one is the public entry point (validation, the graph, the write);
+:mod:`tiling._dask_chunks` plans chunks and builds blocks; :mod:`tiling._dask_worker` holds the
+per-worker predictor and the per-block runner.
 """
 
 from __future__ import annotations
@@ -56,29 +60,33 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-import torch
 
-from tiling.engine import tiled_inference
-from tiling.errors import GridError, ShapeMismatchError, TilingError
+from tiling._dask_chunks import (
+    _as_dask,
+    _block_lengths,
+    _blocks_mode,
+    _input_chunks,
+    _read_blocks,
+    _validate_blocks,
+    plan_chunks,
+)
+from tiling._dask_worker import (
+    ModelFactory,
+    PredictorPlugin,
+    Reducer,
+    _BlockRunner,
+    _plugin_name,
+    _probe,
+)
+from tiling.errors import DistributedError, GridError, ShapeMismatchError, TileDependentError
 from tiling.geometry import as_fractions, as_ints
 from tiling.grid import TileGrid
-
-if TYPE_CHECKING:
-    from distributed import WorkerPlugin as _WorkerPluginBase
-else:
-    try:
-        from distributed import WorkerPlugin as _WorkerPluginBase
-    except ImportError:  # pragma: no cover - exercised only where the extra is not installed
-        _WorkerPluginBase = object
 
 logger = logging.getLogger(__name__)
 
@@ -91,210 +99,7 @@ __all__ = [
     "tiled_inference_dask",
 ]
 
-Predictor = Callable[[torch.Tensor], Any]
-Reducer = Callable[[torch.Tensor], torch.Tensor]
-ModelFactory = Callable[[], Predictor]
-
 _EXTRA_HINT = "tiling.distributed needs the `distributed` extra: pip install 'tilewise[distributed]'"
-_DEFAULT_CHUNK = 128  # voxels per axis for inputs without a chunking of their own (numpy)
-
-
-class DistributedError(TilingError, ValueError):
-    """The run cannot be spread over the cluster as asked (e.g. no shared ``out`` for the workers)."""
-
-
-class TileDependentError(DistributedError):
-    """A tile-dependent network would be split at chunk borders, where its tiles disagree."""
-
-
-def plan_chunks(
-    spatial_shape: Sequence[int],
-    chunk_shape: int | Sequence[int],
-    *,
-    depth: int | Sequence[int],
-    alignment: int | Sequence[int] = 1,
-) -> tuple[tuple[int, ...], ...]:
-    """Chunk sizes per spatial axis for :func:`tiled_inference_dask`.
-
-    On each axis the chunks are ``(c, ..., c, r)`` with ``c`` a multiple of ``alignment`` (so every
-    chunk starts on the network's stride grid), ``0 < r <= c`` the remainder, and every chunk at
-    least ``depth`` voxels long when there is more than one (``map_overlap`` takes the depth from
-    the neighbouring chunk; a shorter chunk would make Dask rechunk off the stride grid). Chunks are
-    regular, so they are also the output zarr array's chunks. ``c`` is the asked size rounded up to
-    the alignment and to ``depth``; when the remainder would be shorter than ``depth``, the nearest
-    size (by steps of ``alignment``, smaller first) whose remainder is 0 or at least ``depth`` is used.
-
-    Args:
-        spatial_shape: ``S``, the array's spatial shape (voxels).
-        chunk_shape: asked chunk size per axis (voxels); an int is broadcast.
-        depth: overlap each block takes from each neighbour (voxels), a multiple of ``alignment``.
-        alignment: the network's total stride per axis (voxels).
-
-    Returns:
-        Per spatial axis, the chunk sizes (voxels), summing to that axis's length.
-
-    Raises:
-        GridError: a parameter with the wrong number of axes, a chunk or alignment below 1, a
-            negative depth, or a depth that is not a multiple of the alignment.
-
-    Notes:
-        Each block is ``chunk + 2 * depth`` per axis (less at the array border), so the network
-        runs over about ``prod((c + 2 * depth) / c)`` times the volume's voxels: with ``c = 96`` and
-        ``depth = 16`` in 3-D that is 1.59x. Pure integer arithmetic: allocates no arrays.
-
-    Source:
-        none (original).
-
-    Example:
-        >>> plan_chunks((128, 70, 5), 32, depth=8, alignment=4)
-        ((32, 32, 32, 32), (28, 28, 14), (5,))
-
-        On axis 1, 32 would leave a last chunk of 6 < depth, so 28 is used; axis 2 is one chunk.
-    """
-    shape = tuple(int(s) for s in spatial_shape)
-    ndim = len(shape)
-    chunks = as_ints(chunk_shape, ndim, "chunk_shape", minimum=1)
-    depths = as_ints(depth, ndim, "depth", minimum=0)
-    aligns = as_ints(alignment, ndim, "alignment", minimum=1)
-    out = []
-    for axis, (length, chunk, d, a) in enumerate(zip(shape, chunks, depths, aligns, strict=True)):
-        if d % a:
-            raise GridError(f"depth[{axis}]={d} is not a multiple of alignment[{axis}]={a}")
-        out.append(_plan_axis_chunks(length, chunk, d, a))
-    return tuple(out)
-
-
-def _plan_axis_chunks(length: int, chunk: int, depth: int, alignment: int) -> tuple[int, ...]:
-    lowest = max(alignment, depth)
-    base = max(-(-chunk // alignment) * alignment, lowest)
-
-    def fits(c: int) -> bool:
-        return c >= length or length % c == 0 or length % c >= depth
-
-    k = 0
-    while True:  # ends: base + k * alignment >= length fits
-        for c in (base - k * alignment, base + k * alignment):
-            if c >= lowest and fits(c):
-                if c >= length:
-                    return (length,)
-                n, r = divmod(length, c)
-                return (c,) * n + ((r,) if r else ())
-        k += 1
-
-
-class PredictorPlugin(_WorkerPluginBase):
-    """A ``distributed.WorkerPlugin`` that keeps one predictor per worker, built by ``model_factory``.
-
-    The model is built on the worker's first task that needs it (not in ``setup``: loading a model
-    takes seconds, and ``setup`` runs on the worker's event loop, where it would stall heartbeats;
-    a worker that never gets a task, e.g. one without the GPU resource asked for, never loads it),
-    under a lock, so concurrent tasks of one worker share one load. Later tasks reuse it. When the
-    plugin is removed or the worker closes, ``teardown`` drops the predictor. Pickling (to send the
-    plugin to the workers) never carries a loaded predictor.
-
-    Also used without ``distributed``: :func:`tiled_inference_dask` then holds one instance in the
-    calling process, shared by the threads of Dask's local scheduler.
-
-    Args:
-        model_factory: picklable callable with no arguments that returns the predictor, a callable
-            mapping a float32 ``(B, C, *tile)`` tensor to ``(B, C_out, *tile)``. It must be
-            importable on every worker (a module-level function or a class instance, e.g. a model
-            name plus the models folder).
-        idempotent: keep an already registered plugin of the same name (and its loaded model)
-            instead of replacing it.
-
-    Attributes:
-        n_loads: how many times this instance called ``model_factory`` (0 or 1 unless released).
-    """
-
-    def __init__(self, model_factory: ModelFactory, *, idempotent: bool = False) -> None:
-        self.model_factory = model_factory
-        self.idempotent = idempotent
-        self.n_loads = 0
-        self._predictor: Predictor | None = None
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.update(_predictor=None, _lock=None, n_loads=0)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    def teardown(self, worker: Any) -> None:  # noqa: ARG002 - the plugin interface
-        """Drop the predictor (when the plugin is unregistered or the worker closes)."""
-        self.release()
-
-    def predictor(self) -> Predictor:
-        """The predictor, built by ``model_factory`` on the first call."""
-        with self._lock:
-            if self._predictor is None:
-                self._predictor = self.model_factory()
-                self.n_loads += 1
-                logger.info("predictor loaded in process %d by %r", os.getpid(), self.model_factory)
-            return self._predictor
-
-    def release(self) -> None:
-        """Drop the predictor; the next :meth:`predictor` call loads it again."""
-        with self._lock:
-            self._predictor = None
-
-
-@dataclass(frozen=True)
-class _BlockRunner:
-    """What each Dask task runs on one block; picklable, small (no model, no array)."""
-
-    plugin_name: str
-    local: PredictorPlugin | None  # set when running without distributed (nothing is pickled)
-    tile_shape: tuple[int, ...] | None
-    halo: tuple[int, ...]
-    overlap: tuple[int, ...]
-    alignment: tuple[int, ...]
-    blend: str
-    border: str
-    padding_mode: str
-    batch_size: int
-    device: str | None
-    reduce: Reducer | None
-
-    def predictor(self) -> Predictor:
-        if self.local is not None:
-            return self.local.predictor()
-        from distributed import get_worker
-
-        plugin = get_worker().plugins.get(self.plugin_name)
-        if not isinstance(plugin, PredictorPlugin):  # pragma: no cover - the scheduler sends it first
-            raise DistributedError(f"worker plugin {self.plugin_name!r} is missing on this worker")
-        return plugin.predictor()
-
-    def tile_for(self, block_spatial: Sequence[int]) -> tuple[int, ...]:
-        if self.tile_shape is not None:
-            return self.tile_shape
-        # No tile asked: the whole block is one tile (rounded up to the alignment).
-        return tuple(-(-s // a) * a for s, a in zip(block_spatial, self.alignment, strict=True))
-
-    def __call__(self, block: np.ndarray) -> np.ndarray:
-        """Map one block ``(C, *block)`` to ``(C_out or C_red, *block)`` with ``tiled_inference``."""
-        return tiled_inference(  # type: ignore[no-any-return]
-            block, self.predictor(), self.tile_for(block.shape[1:]), halo=self.halo,
-            overlap=self.overlap, blend=self.blend, border=self.border, padding_mode=self.padding_mode,
-            alignment=self.alignment, batch_size=self.batch_size, device=self.device, reduce=self.reduce,
-        )  # fmt: skip
-
-    def probe(self, c_in: int, tile: Sequence[int]) -> tuple[int, str]:
-        """Channels and dtype of the (reduced) output, from the engine run over one zero tile.
-
-        Going through :func:`tiling.tiled_inference` checks the predictor's output shape as every
-        block will (``ShapeMismatchError``), before any block task is scheduled.
-        """
-        zeros = np.zeros((c_in, *tile), dtype=np.float32)
-        y = tiled_inference(
-            zeros, self.predictor(), tuple(tile), halo=0, alignment=self.alignment, batch_size=1,
-            device=self.device, reduce=self.reduce,
-        )  # fmt: skip
-        return int(y.shape[0]), str(y.dtype)
 
 
 def tiled_inference_dask(
@@ -534,10 +339,6 @@ def release_predictor(client: Any, model_factory: ModelFactory) -> None:
     client.unregister_worker_plugin(_plugin_name(model_factory, keep_loaded=True))
 
 
-def _probe(runner: _BlockRunner, c_in: int, tile: Sequence[int]) -> tuple[int, str]:
-    return runner.probe(c_in, tile)
-
-
 def _import_dask() -> tuple[Any, Any]:
     try:
         import dask.array as da
@@ -558,96 +359,9 @@ def _default_client() -> Any:
         return None
 
 
-def _plugin_name(model_factory: ModelFactory, keep_loaded: bool) -> str:
-    if keep_loaded:
-        from dask.base import tokenize
-
-        return f"tilewise-predictor-{tokenize(model_factory)}"
-    return f"tilewise-predictor-{uuid.uuid4().hex}"
-
-
-def _input_chunks(array: Any, da: Any, zarr: Any, ndim: int) -> tuple[int, ...]:
-    if isinstance(array, da.Array):
-        return tuple(int(c[0]) for c in array.chunks[1:])
-    if isinstance(array, zarr.Array):
-        return tuple(int(c) for c in array.chunks[1:])
-    return (_DEFAULT_CHUNK,) * ndim
-
-
-def _as_dask(array: Any, da: Any, zarr: Any, chunks: tuple[tuple[int, ...], ...]) -> Any:
-    if isinstance(array, da.Array):
-        return array if array.chunks == chunks else array.rechunk(chunks)
-    if isinstance(array, zarr.Array):
-        return da.from_zarr(array, chunks=chunks)
-    return da.from_array(array, chunks=chunks)
-
-
 def _in_memory(out: Any, zarr: Any) -> bool:
     memory = getattr(zarr.storage, "MemoryStore", None)
     return isinstance(out, zarr.Array) and memory is not None and isinstance(out.store, memory)
-
-
-def _blocks_mode(blocks_from: str, array: Any, zarr: Any) -> str:
-    if blocks_from not in ("auto", "read", "map_overlap"):
-        raise GridError(f"blocks_from={blocks_from!r} is not one of ['auto', 'read', 'map_overlap']")
-    is_zarr = isinstance(array, zarr.Array)
-    if blocks_from == "read" and not is_zarr:
-        raise GridError(f"blocks_from='read' needs a zarr.Array input, not {type(array).__name__}")
-    if blocks_from == "auto":
-        return "read" if is_zarr else "map_overlap"
-    return blocks_from
-
-
-def _read_blocks(array: Any, da: Any, chunks: tuple[tuple[int, ...], ...], depth: tuple[int, ...]) -> Any:
-    """A dask array of the overlapped blocks ``(C, *(chunk + depth on inner sides))``, each read
-    straight from ``array`` (a zarr array) by its own task: no task shares input with another."""
-    bounds = []
-    for lengths, d in zip(chunks, depth, strict=True):
-        starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        n = len(lengths)
-        bounds.append(tuple(
-            (starts[i] - (d if i > 0 else 0), starts[i + 1] + (d if i < n - 1 else 0)) for i in range(n)
-        ))  # fmt: skip
-    block_lengths = tuple(tuple(hi - lo for lo, hi in b) for b in bounds)
-    return da.map_blocks(
-        _read_block, chunks=((int(array.shape[0]),), *block_lengths), dtype=array.dtype,
-        meta=np.empty((0,) * array.ndim, dtype=array.dtype), source=array, bounds=tuple(bounds),
-    )  # fmt: skip
-
-
-def _read_block(
-    *, source: Any, bounds: tuple[tuple[tuple[int, int], ...], ...], block_id: tuple[int, ...]
-) -> np.ndarray:
-    index = (slice(None), *(slice(*b[i]) for b, i in zip(bounds, block_id[1:], strict=True)))
-    return np.asarray(source[index])
-
-
-def _block_lengths(chunks: Sequence[int], depth: int) -> tuple[int, ...]:
-    """Lengths of the blocks ``map_overlap`` builds: each chunk plus ``depth`` per inner side."""
-    n = len(chunks)
-    return tuple(c + depth * ((i > 0) + (i < n - 1)) for i, c in enumerate(chunks))
-
-
-def _validate_blocks(
-    blocks: Sequence[Sequence[int]],
-    tiles: tuple[int, ...] | None,
-    halos: tuple[int, ...],
-    overlaps: tuple[int, ...],
-    aligns: tuple[int, ...],
-    border: str,
-    blend: str,
-) -> None:
-    """Plan every distinct block length on every axis now, so a bad parameter fails on the client."""
-    for axis, lengths in enumerate(blocks):
-        for length in sorted(set(lengths)):
-            tile = tiles[axis] if tiles is not None else -(-length // aligns[axis]) * aligns[axis]
-            try:
-                TileGrid.plan(
-                    (length,), tile, halos[axis], overlap=overlaps[axis], alignment=aligns[axis],
-                    border=border, blend=blend,
-                )  # fmt: skip
-            except GridError as exc:
-                raise GridError(f"axis {axis} (block of {length} voxels): {exc}") from exc
 
 
 def _store(

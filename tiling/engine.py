@@ -18,6 +18,7 @@ from tiling.geometry import PaddingMode, parse_enum
 from tiling.grid import TileGrid
 from tiling.merge import Merger, Reducer, make_merger
 from tiling.resume import Resume, RowTracker, resume_point
+from tiling.seam import SeamMeter, SeamStats
 from tiling.sink import Sink
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def tiled_inference(
     prefetch: bool = True,
     should_stop: Callable[[], bool] | None = None,
     resume: Resume | None = None,
+    seam: SeamStats | None = None,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
 
@@ -96,6 +98,10 @@ def tiled_inference(
             :mod:`tiling.resume`): the tile rows before ``resume.rows_done`` (along axis 0) are
             neither run nor written, and ``resume.on_rows`` hears of every row that becomes final.
             Needs a ``(C, *spatial)`` (non-torch) input and ``out``.
+        seam: a :class:`~tiling.seam.SeamStats` that receives the disagreement between overlapping
+            tiles' predictions where they overlap, measured during the run (see
+            :mod:`tiling.seam`; memory about that of the slab merger again; a resumed run measures
+            the tiles it runs). ``None``: not measured.
 
     Returns:
         ``(C_out or C_red, *ceil(spatial * scale))`` of the input's array type (numpy for numpy,
@@ -140,13 +146,13 @@ def tiled_inference(
             sink = Sink(out, grid.out_shape, like="numpy", floor=start.floor)
             rows = RowTracker(grid, start.rows_done, resume.on_rows, sink.flush)
             _run_one(inputs, grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar, should_stop, start.first_tile, start.origin, rows)  # fmt: skip
+                     prefetch, bar, should_stop, start.first_tile, start.origin, rows, seam)  # fmt: skip
             return sink.result()
         results = []
         for n in range(shape[0]):
             sink = Sink(None if out is None else out[n], grid.out_shape, like="torch", device=acc_device)
             _run_one(inputs[n], grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar, should_stop)  # fmt: skip
+                     prefetch, bar, should_stop, seam=seam)  # fmt: skip
             results.append(sink.result())
         return out if out is not None else torch.stack(results)
     finally:
@@ -204,10 +210,12 @@ def _run_one(
     first: int = 0,
     origin: int = 0,
     rows: RowTracker | None = None,
+    seam: SeamStats | None = None,
 ) -> None:
     """Stream the tiles of one ``(C, *spatial)`` source through ``predictor`` into ``sink``, from
     tile ``first`` (grid C order) on; ``origin`` is the first output row (axis 0) written."""
     merger = make_merger(grid, sink, reduce, transfers.merge_device, origin=origin)
+    meter = None if seam is None else SeamMeter(grid, seam, transfers.merge_device)
     pin = transfers.run_device.type == "cuda"
     c_out: int | None = None
     in_flight: deque[tuple[Batch, Staged]] = deque()
@@ -225,18 +233,27 @@ def _run_one(
             logger.debug("batch %d: %d tiles -> %s", b, len(batch.tiles), tuple(pred.shape))
             in_flight.append((batch, transfers.from_device(pred)))
             while len(in_flight) > transfers.lag:  # on CUDA the next batch is launched first
-                _merge(merger, reader, *in_flight.popleft(), rows)
+                _merge(merger, reader, *in_flight.popleft(), rows, meter)
             bar.update(len(batch.tiles))
         while in_flight:
-            _merge(merger, reader, *in_flight.popleft(), rows)
+            _merge(merger, reader, *in_flight.popleft(), rows, meter)
     merger.finish()
     if rows is not None:
         rows.finished()
 
 
-def _merge(merger: Merger, reader: TileReader, batch: Batch, staged: Staged, rows: RowTracker | None) -> None:
+def _merge(
+    merger: Merger,
+    reader: TileReader,
+    batch: Batch,
+    staged: Staged,
+    rows: RowTracker | None,
+    meter: SeamMeter | None,
+) -> None:
     values = staged.wait()
     for k, tile in enumerate(batch.tiles):
+        if meter is not None:
+            meter.add(tile, values[k])
         merger.add(tile, values[k][(slice(None), *tile.crop)])
         if rows is not None:
             rows.merged(tile)

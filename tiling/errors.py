@@ -8,6 +8,8 @@ Hierarchy (each class also inherits the builtin it refines, so ``except ValueErr
       CoverageError(TilingError, RuntimeError)       a roi voxel received zero total weight (engine bug)
       AccumulatorStateError(TilingError, RuntimeError)  add() after finalize(), etc.
       RunCancelledError(TilingError)                 the caller's should_stop() said stop (between batches)
+      DistributedError(TilingError, ValueError)      tiled_inference_dask cannot run as asked
+        TileDependentError(DistributedError)         a tile-dependent network over several chunks
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 __all__ = [
     "AccumulatorStateError",
     "CoverageError",
+    "DistributedError",
     "GridError",
     "RunCancelledError",
     "ShapeMismatchError",
+    "TileDependentError",
     "TilingError",
 ]
 
@@ -45,3 +49,11 @@ class AccumulatorStateError(TilingError, RuntimeError):
 class RunCancelledError(TilingError):
     """The run was stopped because its ``should_stop`` callback returned true (checked before each
     batch); the output is incomplete and must be discarded."""
+
+
+class DistributedError(TilingError, ValueError):
+    """The run cannot be spread over the cluster as asked (e.g. no shared ``out`` for the workers)."""
+
+
+class TileDependentError(DistributedError):
+    """A tile-dependent network would be split at chunk borders, where its tiles disagree."""

@@ -27,6 +27,7 @@ import json
 import logging
 import pydoc
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,12 +76,12 @@ def _bundle_root(source: Path) -> Iterator[Path]:
 
 def _monai() -> Any:
     try:
-        from monai.bundle import ConfigParser
+        import monai.bundle
     except ImportError as exc:
         raise ImportRefusedError(
             "reading a MONAI bundle needs MONAI: pip install 'tilewise[import]' (serving does not)"
         ) from exc
-    return ConfigParser
+    return getattr(monai.bundle, "ConfigParser")  # noqa: B009 (not re-exported for mypy)
 
 
 def _args(component: Any) -> tuple[str, dict[str, Any]]:
@@ -88,7 +89,7 @@ def _args(component: Any) -> tuple[str, dict[str, Any]]:
     module_name = component.resolve_module_name()
     args = dict(component.resolve_args())
     target = pydoc.locate(module_name) if isinstance(module_name, str) else None
-    if target is not None:
+    if callable(target):
         with contextlib.suppress(TypeError, ValueError):
             for key, param in inspect.signature(target).parameters.items():
                 if param.default is not inspect.Parameter.empty:
@@ -219,7 +220,10 @@ def _network(parser: Any, root: Path, where: str) -> nn.Module:
         load_weights(network, weights, str(root.name))
         return network.eval()
     if script.is_file():
-        return torch.jit.load(str(script), map_location="cpu").eval()  # type: ignore[no-untyped-call]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript deprecation notices
+            module: nn.Module = torch.jit.load(str(script), map_location="cpu")  # type: ignore[no-untyped-call]
+        return module.eval()
     raise ImportRefusedError(f"{root}: neither 'network_def' with models/model.pt nor models/model.ts")
 
 
@@ -245,18 +249,26 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         parser["bundle_root"] = str(root)
         where = f"{source} ({inference.name})"
         inferer, inferer_args = _inferer(parser, where)
+        roi = inferer_args.get("roi_size")
+        net_def = parser.config.get("network_def")
+        hint = len(roi) if isinstance(roi, list | tuple) else None
+        if hint is None and isinstance(net_def, dict) and isinstance(net_def.get("spatial_dims"), int):
+            hint = net_def["spatial_dims"]
+        # the transforms are mapped (or refused) before the network is built and probed
+        pre = _preprocessing(_transforms(parser, "preprocessing", where), hint, where) if hint else None
+        output = _postprocessing(_transforms(parser, "postprocessing", where), where)
         network = _network(parser, root, where)
         fmt_in = meta.get("network_data_format", {})
         image = fmt_in.get("inputs", {}).get("image", {})
         pred = fmt_in.get("outputs", {}).get("pred", {})
-        roi = inferer_args.get("roi_size")
-        dims = len(roi) if isinstance(roi, list | tuple) else None
+        dims = hint
         channels = int(image["num_channels"]) if "num_channels" in image else None
         name = name or model_name(str(meta.get("name") or source.stem))
-        facts = probe_network(network, name=name, spatial_dims=dims, in_channels=channels)
+        window = [int(v) for v in _as_list(roi, dims)] if roi is not None and dims else None
+        facts = probe_network(network, name=name, spatial_dims=dims, in_channels=channels, tile_shape=window)
         dims = facts.spatial_dims
-        pre = _preprocessing(_transforms(parser, "preprocessing", where), dims, where)
-        output = _postprocessing(_transforms(parser, "postprocessing", where), where)
+        if pre is None:
+            pre = _preprocessing(_transforms(parser, "preprocessing", where), dims, where)
         if "num_channels" in pred and int(pred["num_channels"]) != facts.out_channels:
             raise ImportRefusedError(
                 f"{where}: metadata outputs.pred.num_channels={pred['num_channels']}, the network returns "

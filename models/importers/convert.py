@@ -72,7 +72,7 @@ class PadToShape(nn.Module):
             diff = max(self.min_shape[k] - x.shape[2 + k], 0)
             pads.append(diff // 2)
             pads.append(diff - diff // 2)
-        y = self.net(torch.nn.functional.pad(x, pads))
+        y: torch.Tensor = self.net(torch.nn.functional.pad(x, pads))
         for k in range(nd):
             y = y.narrow(2 + k, pads[2 * (nd - 1 - k)], x.shape[2 + k])
         return y
@@ -92,7 +92,8 @@ class PermuteAxes(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, *S)`` -> ``(B, C_out, *S)``; the network sees ``(B, C, *S')``."""
-        return self.net(x.permute(self.forward_dims)).permute(self.backward_dims)
+        out: torch.Tensor = self.net(x.permute(self.forward_dims))
+        return out.permute(self.backward_dims)
 
 
 class MeanOfNets(nn.Module):
@@ -104,7 +105,7 @@ class MeanOfNets(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, *S)`` -> ``(B, C_out, *S)``: the running sum over the nets, then ``/ len(nets)``."""
-        total = self.nets[0](x)
+        total: torch.Tensor = self.nets[0](x)
         for net in self.nets[1:]:
             total = total + net(x)
         return total / len(self.nets)
@@ -175,6 +176,7 @@ def export_network(
     core = core.eval()
     eager = wrap(core) if wrap is not None else core
     path.parent.mkdir(parents=True, exist_ok=True)
+    run: Callable[[torch.Tensor], Any]
     try:
         if fmt == "torchscript":
             if isinstance(core, torch.jit.ScriptModule):
@@ -185,9 +187,11 @@ def export_network(
             module.save(str(path))
             loaded = _load_torchscript(path)
 
-            def run(x: torch.Tensor) -> Any:
+            def run_script(x: torch.Tensor) -> Any:
                 with torch.inference_mode():
                     return loaded(x).numpy()
+
+            run = run_script
         elif isinstance(core, torch.jit.ScriptModule):  # torch.export takes no ScriptModule
             scripted = _script(wrap(core)) if wrap is not None else core
             run = _export_onnx(scripted, path, in_channels, core_shape, name)

@@ -10,11 +10,11 @@ Shapes: ``C`` input channels, ``S`` spatial axes; every probe input is ``(1, C, 
 2. **Alignment** (the smallest size divisor that works): per axis, the sizes ``base + d`` for
    ``d = 1, 2, ...`` until one runs and returns exactly ``(base + d) * scale`` voxels; the spec's
    single ``alignment`` is the lcm over the axes, checked once more at ``base + 2 * alignment``.
-3. **Receptive field**: the impulse probe of :mod:`models.receptive` on inputs long along one axis
-   and narrow on the others, grown while the response reaches the probe's edge (up to 96 voxels in
-   3-D, 1024 in 2-D); ``None`` when it never stops reaching the edge.
-4. **Tile dependence**: :func:`models.dependence.probe_tile_dependence` at a tile of about four
-   radii (or the largest probe).
+3. **Tile dependence**: :func:`models.dependence.probe_tile_dependence` at the network's window.
+4. **Receptive field** (local networks only): the impulse probe of :mod:`models.receptive` on
+   inputs long along one axis and narrow on the others, grown while the response reaches the
+   probe's edge (up to 96 voxels in 3-D, 1024 in 2-D); ``None`` (and tile-dependent) when it never
+   stops reaching the edge.
 """
 
 from __future__ import annotations
@@ -172,14 +172,23 @@ def probe_network(
     name: str,
     spatial_dims: int | None = None,
     in_channels: int | None = None,
+    tile_shape: Sequence[int] | None = None,
+    alignment: int | None = None,
 ) -> NetworkFacts:
-    """Measure layout, channels, alignment, scale, receptive field and tile dependence of ``run``.
+    """Measure layout, channels, alignment, scale, tile dependence and receptive field of ``run``.
+
+    The tile-dependence probe runs first, at ``tile_shape`` (the network's window, e.g. MONAI's
+    ``roi_size`` or nnU-Net's patch; default 96 voxels per axis in 3-D, 256 otherwise): a
+    tile-dependent network's receptive field is not probed (no halo makes its tiles exact).
 
     Args:
         run: the network's forward function, ``(1, C, *S)`` float32 tensor -> tensor.
         name: the model's name for messages.
         spatial_dims: known number of spatial axes (else tried).
         in_channels: known input channels (else tried).
+        tile_shape: the window the network is run on (voxels per axis), when known.
+        alignment: the size divisor when the source says it (nnU-Net's pooling strides): checked
+            at two sizes instead of searched.
 
     Raises:
         ImportRefusedError: no layout runs, the output is not an integer multiple of the input, or
@@ -187,21 +196,23 @@ def probe_network(
     """
     start = time.perf_counter()
     dims, channels, out_channels, scale, base = _layout(run, name, spatial_dims, in_channels)
-    alignment = _alignment(run, name, dims, channels, scale, base)
-    net = _Net(run, dims, channels, alignment, scale)
-    radius, probe_size = _receptive_field(net)
-    tile = _round_up(max(4 * max(radius) + 8, base) if radius else probe_size, alignment)
-    tile = min(tile, _round_up(_MAX_PROBE[dims], alignment))
+    if alignment is None:
+        alignment = _alignment(run, name, dims, channels, scale, base)
+    else:
+        for size in (base + alignment, base + 2 * alignment):
+            if not _fits(run, channels, [size] * dims, scale):
+                raise ImportRefusedError(f"{name}: alignment {alignment} given, but size {size} fails")
+    window = list(tile_shape) if tile_shape is not None else [96 if dims == 3 else 256] * dims
+    window = [_round_up(max(int(t), base), alignment) for t in window]
     if scale == 1:
         dependent = probe_tile_dependence(
-            run,
-            spatial_dims=dims,
-            in_channels=channels,
-            tile_shape=tile,
-            radius=radius if radius is not None and tile > 2 * max(radius) + 1 else None,
-            alignment=alignment,
+            run, spatial_dims=dims, in_channels=channels, tile_shape=window, alignment=alignment
         ).tile_dependent
     else:  # the dependence probe compares outputs voxel for voxel with the input
+        dependent = False
+    radius = None
+    if not dependent:
+        radius, _ = _receptive_field(_Net(run, dims, channels, alignment, scale))
         dependent = radius is None
     facts = NetworkFacts(
         dims, channels, out_channels, alignment, scale, radius, dependent, time.perf_counter() - start

@@ -7,7 +7,8 @@ Modules: :mod:`~service.client.settings` (flags and ``TILEWISE_*`` fallbacks),
 :mod:`~service.client.api` (retrying httpx client), :mod:`~service.client.jobs` (its job methods:
 submit, poll, download), :mod:`~service.client.retry` (backoff),
 :mod:`~service.client.plan` (walk and output names; formats by magic bytes with
-:mod:`service.sniff`, shared with the server), :mod:`~service.client.runner` (the run),
+:mod:`service.sniff`, shared with the server), :mod:`~service.client.runner` (the run; with
+:mod:`~service.client.batch_plan`, :mod:`~service.client.send`, :mod:`~service.client.outdir`),
 :mod:`~service.client.progress` (bar or log lines), :mod:`~service.client.report`
 (``tilewise-report.json``), :mod:`~service.client.manifest` (``tilewise-manifest.jsonl``: what was
 completed, verified on resume), :mod:`~service.client.errors`.

@@ -146,6 +146,7 @@ class JobsMixin:
             except httpx.TransportError as exc:
                 raise TransportFailure(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
 
+        answer: InferAnswer
         answer, attempts = self._with_retries(f"job {job_id}: result", attempt, abort)
         return dataclasses.replace(answer, attempts=attempts)
 

@@ -185,9 +185,22 @@ def _probe(path: Path, sniffed: Sniffed) -> tuple[Probe, Any, int]:
         channels=channels,
         dtype=dtype,
         nbytes=offset + math.prod(shape) * stored.itemsize,
-        info={"nifti_version": sniffed.nifti_version, "shape": shape, "stored_dtype": str(stored)},
+        info={
+            "nifti_version": sniffed.nifti_version,
+            "shape": shape,
+            "stored_dtype": str(stored),
+            "affine": _best_affine(header),
+        },
     )
     return probe, header, offset
+
+
+def _best_affine(header: Any) -> np.ndarray | None:
+    """The header's best affine (sform, qform, else from the zooms), or ``None`` when it has none."""
+    try:
+        return np.asarray(header.get_best_affine(), dtype=np.float64)
+    except Exception:  # noqa: BLE001 - foreign code on an untrusted header: no affine, no geometry plan
+        return None
 
 
 def _slope_inter(header: Any) -> tuple[float, float]:

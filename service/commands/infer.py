@@ -106,7 +106,9 @@ def _run(args: argparse.Namespace) -> int:
     stem = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         params = parse_params(raw)
-        model = ModelRepository(settings.models_dir, device=settings.device).get(args.model)
+        model = ModelRepository(
+            settings.models_dir, device=settings.device, strict=settings.strict_models
+        ).get(args.model)
         target.parent.mkdir(parents=True, exist_ok=True)
         limits = Limits(max_image_pixels=settings.max_image_pixels, memory_budget=settings.memory_budget)
         result = run_file(model, args.input, stem, params, limits=limits, progress=args.progress)
@@ -118,13 +120,14 @@ def _run(args: argparse.Namespace) -> int:
         for suffix in FORMAT_SUFFIXES.values():  # a failed write leaves no partial output behind
             stem.with_name(stem.name + suffix).unlink(missing_ok=True)
     logger.info(
-        "wrote %s (%s, %s %s, shape %s; plan %s) in %.2f s",
+        "wrote %s (%s, %s %s, shape %s; plan %s%s) in %.2f s",
         target,
         result.format,
         result.output_kind,
         result.output_dtype,
         result.output_shape,
         result.plan.header(),
+        "" if result.seam is None else f"; seam {result.seam.header()}",
         result.seconds,
     )
     return 0

@@ -52,6 +52,7 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--job-ttl", "job_ttl_s", _work, "seconds a finished job and its result are kept (86400)"),
     ("--job-lease", "job_lease_s", _work, "seconds a job's lease outlives its owner's last renewal (30)"),
     ("--job-scan", "job_scan_s", _work, "seconds between two looks for jobs to take over (1)"),
+    ("--web-dir", "web_dir", Path, "folder of the page's viewer files (default: ~/.cache/tilewise/web)"),
 )
 
 
@@ -78,6 +79,15 @@ def register(sub: Any) -> None:
         default=None,
         help="skip the warm-up run of each model at start-up; TILEWISE_WARMUP=false",
     )
+    parser.add_argument(
+        "--strict-models",
+        dest="strict_models",
+        action="store_const",
+        const=True,
+        default=None,
+        help="any model that fails to load stops the server (default: it is listed as unavailable); "
+        "TILEWISE_STRICT_MODELS=true",
+    )
     parser.set_defaults(run=_run)
 
 
@@ -85,7 +95,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     """The :class:`~service.settings.Settings` of ``args``: options over ``TILEWISE_*`` variables."""
     from service.settings import Settings
 
-    fields = [field for _, field, _, _ in _SETTINGS] + ["warmup"]
+    fields = [field for _, field, _, _ in _SETTINGS] + ["warmup", "strict_models"]
     given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
     return Settings(**given)
 

@@ -1,4 +1,5 @@
-"""``tilewise setup-models``: put the text-det-2d and brain-mask-3d files and specs in the model folder."""
+"""``tilewise setup-models``: put the text-det-2d and brain-mask-3d files and specs in the model folder,
+and the page's viewer in the web folder (``tilewise setup-web``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from service.commands.setup_web import add_web_options, setup_web
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +24,8 @@ def register(subparsers: Any) -> None:
             "Extract only rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx from the "
             "rapidocr-onnxruntime==1.4.4 wheel and only data/models/model.pt from the deepbet==1.0.2 "
             "wheel (pip download --no-deps unless --wheel / --deepbet-wheel is given), verify their "
-            "SHA-256 and write text-det-2d.yaml and brain-mask-3d.yaml next to them."
+            "SHA-256 and write text-det-2d.yaml and brain-mask-3d.yaml next to them. Then the page's "
+            "viewer, as `tilewise setup-web` does."
         ),
     )
     parser.add_argument(
@@ -32,6 +36,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--wheel", type=Path, default=None, help="a local rapidocr_onnxruntime-1.4.4 wheel")
     parser.add_argument("--deepbet-wheel", type=Path, default=None, help="a local deepbet-1.0.2 wheel")
+    add_web_options(parser)
     parser.add_argument("--force", action="store_true", help="extract again even if a verified file exists")
     parser.set_defaults(run=_run)
 
@@ -57,4 +62,4 @@ def _run(args: argparse.Namespace) -> int:
             status = 1
             continue
         sys.stdout.write(f"{name} ready: {spec_path}\n")
-    return status
+    return max(status, setup_web(args))

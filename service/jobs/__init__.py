@@ -3,6 +3,7 @@
 - :mod:`service.jobs.store`: the jobs folder (``TILEWISE_JOBS_DIR``), shared by every replica;
 - :mod:`service.jobs.lease`: which replica runs a job, and taking over from a dead one;
 - :mod:`service.jobs.checkpoint`: the partial output on disk, slab by slab, and resuming from it;
+- :mod:`service.jobs.progress`: a running job's record (tiles, rate, finished slabs), written as it goes;
 - :mod:`service.jobs.runner`: running jobs on the device executor; the lease keeper and scanner;
 - :mod:`service.jobs.events`: the status document and the server-sent event stream.
 

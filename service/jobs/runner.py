@@ -33,20 +33,19 @@ from service.executor import DeviceExecutor, Slot
 from service.http_errors import classify
 from service.jobs.checkpoint import SlabCheckpoint
 from service.jobs.lease import Lease, Leases
+from service.jobs.progress import RunProgress
 from service.jobs.store import INPUT_FILE, PARTIAL_FILE, JobState, JobStore
 from service.metrics import Metrics
 from service.pipeline import InferenceResult, Limits, run_file
-from tiling import ResumePoint, RunCancelledError
+from tiling import RunCancelledError
 
 __all__ = ["JobService"]
 
 logger = logging.getLogger(__name__)
 
-#: A job that has started this many runs without finishing (each ended by its server dying, or by a
-#: graceful stop) fails instead of taking a next server down with it.
+#: A job whose runs ended this many times with their server dying (killed, out of memory; a graceful
+#: stop does not count) fails instead of taking a next server down with it.
 MAX_ATTEMPTS = 5
-#: Least time between two progress writes of a running job (the event stream's finest step).
-PROGRESS_WRITE_S = 0.2
 
 
 @dataclass
@@ -56,66 +55,6 @@ class _Held:
     lease: Lease
     stop: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future[None] | None = None
-
-
-class _Progress:
-    """The record of one run, written as it goes (by the lease holder only)."""
-
-    def __init__(self, service: JobService, record: dict[str, Any], lease: Lease) -> None:
-        self.service = service
-        self.record = record
-        self.lease = lease
-        self.model = record["model"]
-        self.first = 0
-        self.computed = 0
-        self.written_at = 0.0
-        self.lock = threading.Lock()
-
-    def write(self, *, durable: bool = False, force: bool = False) -> None:
-        """Write the record, at most every :data:`PROGRESS_WRITE_S` unless ``force``; never once
-        the lease is lost (fencing)."""
-        now = time.monotonic()
-        if not force and now - self.written_at < PROGRESS_WRITE_S:
-            return
-        if self.lease.valid():
-            self.service.store.write(self.record, durable=durable)
-            self.written_at = now
-
-    def on_start(self, plan: Any, point: ResumePoint) -> None:
-        """The plan is made: the tiles to do, and those a previous run finished."""
-        with self.lock:
-            record = self.record
-            self.first = point.first_tile if len(plan.flips) == 1 else 0
-            before = int(record.get("tiles_done") or 0) if point.rows_done else 0
-            record.update(
-                tiles_total=plan.n_tiles,
-                tiles_done=min(plan.n_tiles, max(before, self.first)),
-                run_started_at=time.time(),
-                run_tiles=0,
-            )
-            if self.first:
-                self.service.metrics.job_tiles_resumed.labels(self.model).inc(self.first)
-                logger.info("job %s: resumed at tile %d of %d", record["id"], self.first, plan.n_tiles)
-            self.write(force=True)
-
-    def tiles(self, n: int) -> None:
-        """``n`` more tiles computed (the engine's progress callback, batch by batch)."""
-        with self.lock:
-            self.computed += n
-            record = self.record
-            total = int(record.get("tiles_total") or 0)
-            done = max(int(record.get("tiles_done") or 0), self.first + self.computed)
-            record["tiles_done"] = min(total, done)
-            record.update(run_tiles=self.computed, progress_at=time.time())
-            self.service.metrics.tiles.labels(self.model).inc(n)
-            self.service.metrics.job_tiles_computed.labels(self.model).inc(n)
-            self.write()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A slab is on disk: record it (durably, it is what a later run trusts)."""
-        with self.lock:
-            self.record["checkpoint"] = checkpoint
-            self.write(durable=True, force=True)
 
 
 class JobService:
@@ -149,7 +88,6 @@ class JobService:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._last_scan = time.monotonic()
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -179,11 +117,6 @@ class JobService:
         for job_id, h in held:
             h.lease.release()
             logger.info("job %s released for another replica", job_id)
-
-    @property
-    def last_scan_age_s(self) -> float:
-        """Seconds since the scanner last looked (a liveness hint)."""
-        return time.monotonic() - self._last_scan
 
     # -- submission and cancellation ----------------------------------------------------------------
 
@@ -276,15 +209,15 @@ class JobService:
             return
         record["attempts"] = int(record.get("attempts") or 0) + 1
         if record["attempts"] > MAX_ATTEMPTS:
-            error = {"error": "too_many_attempts", "detail": f"the job was started {MAX_ATTEMPTS} times "
-                     "without finishing (each time its server stopped or died)"}  # fmt: skip
+            detail = f"the servers running the job died {MAX_ATTEMPTS} times before it finished"
+            error = {"error": "too_many_attempts", "detail": detail}
             self._finish(record, lease, JobState.FAILED, error=error)
             return
         record.update(state=JobState.RUNNING.value, started_at=record.get("started_at") or time.time())
         self.store.write(record, durable=True)
         self.metrics.jobs.labels(JobState.RUNNING.value).inc()
         logger.info("job %s: running model=%s attempt=%d", job_id, record["model"], record["attempts"])
-        progress = _Progress(self, record, lease)
+        progress = RunProgress(record, lease, self.store, self.metrics)
         folder = self.store.folder(job_id)
 
         def should_stop() -> bool:
@@ -312,6 +245,7 @@ class JobService:
                     self._finish(record, lease, JobState.CANCELLED)
                 elif lease.valid():  # the server stops: another replica continues from the last slab
                     record["state"] = JobState.QUEUED.value
+                    record["attempts"] -= 1  # a graceful stop is no failed attempt
                     self.store.write(record, durable=True)
                     logger.info("job %s: stopped with its server; left for another replica", job_id)
         except Exception as exc:
@@ -364,8 +298,10 @@ class JobService:
     # -- keeper and scanner -------------------------------------------------------------------------
 
     def _keep(self) -> None:
-        """Renew held leases every third of ``lease_s``; pass on cancellations asked elsewhere."""
-        interval = max(0.05, self.settings.job_lease_s / 3)
+        """Renew held leases (every third of ``lease_s``, or every scan when that is sooner) and
+        pass on cancellations asked of another replica (a queued job is dropped at once; a running
+        one checks for itself before every batch)."""
+        interval = max(0.05, min(self.settings.job_lease_s / 3, self.settings.job_scan_s))
         while not self._closing.wait(interval):
             with self._lock:
                 held = list(self._held.items())
@@ -386,7 +322,6 @@ class JobService:
         orphan_s = 2 * self.settings.upload_idle_s + 60
         next_sweep = 0.0
         while not self._closing.wait(self.settings.job_scan_s):
-            self._last_scan = time.monotonic()
             try:
                 self.scan()
                 if time.monotonic() >= next_sweep:

@@ -90,7 +90,8 @@ class JobStore:
     """The jobs folder: ids, records, flags, idempotency keys and expiry.
 
     Args:
-        root: the folder (created); share it between replicas to share their jobs.
+        root: the folder; share it between replicas to share their jobs. Nothing is created in it
+            before the first job (a server that runs none leaves no trace).
     """
 
     def __init__(self, root: Path) -> None:
@@ -98,8 +99,6 @@ class JobStore:
         self.jobs = self.root / "jobs"
         self.active_dir = self.root / "active"
         self.keys = self.root / "keys"
-        for folder in (self.jobs, self.active_dir, self.keys):
-            folder.mkdir(parents=True, exist_ok=True)
 
     # -- ids and folders --------------------------------------------------------------------------
 
@@ -120,6 +119,7 @@ class JobStore:
 
     def new_folder(self) -> tuple[str, Path]:
         """A fresh id and its (empty) folder."""
+        self.jobs.mkdir(parents=True, exist_ok=True)
         while True:
             job_id = secrets.token_hex(16)
             folder = self.jobs / job_id
@@ -156,7 +156,7 @@ class JobStore:
     def recent(self, limit: int) -> list[dict[str, Any]]:
         """Up to ``limit`` records, newest first."""
         records = []
-        for folder in self.jobs.iterdir():
+        for folder in self._listing(self.jobs):
             if ID_RE.match(folder.name):
                 with contextlib.suppress(JobNotFoundError, OSError, ValueError):
                     records.append(self.read(folder.name))
@@ -169,13 +169,22 @@ class JobStore:
         """Add the job to the index of unfinished jobs, or remove it."""
         marker = self.active_dir / self.check_id(job_id)
         if active:
+            self.active_dir.mkdir(parents=True, exist_ok=True)
             marker.touch()
         else:
             marker.unlink(missing_ok=True)
 
     def active(self) -> list[str]:
         """Ids of the unfinished jobs."""
-        return [p.name for p in self.active_dir.iterdir() if ID_RE.match(p.name)]
+        return [p.name for p in self._listing(self.active_dir) if ID_RE.match(p.name)]
+
+    @staticmethod
+    def _listing(folder: Path) -> list[Path]:
+        """The entries of ``folder`` (none before it exists)."""
+        try:
+            return list(folder.iterdir())
+        except FileNotFoundError:
+            return []
 
     def request_cancel(self, job_id: str) -> None:
         """Flag the job for cancellation (its owner stops it before its next batch)."""
@@ -206,6 +215,7 @@ class JobStore:
         Atomic across replicas: the key file appears whole (``os.link`` of a finished temporary
         file, which fails when the name exists), so two submissions with one key make one job.
         """
+        self.keys.mkdir(parents=True, exist_ok=True)
         target = self.keys / key_hash
         tmp = self.keys / f".{key_hash}.{secrets.token_hex(4)}.tmp"
         tmp.write_text(job_id)
@@ -243,7 +253,7 @@ class JobStore:
         upload cut off by a dying replica) untouched for ``orphan_s``; returns how many."""
         now = time.time() if now is None else now
         removed = 0
-        for folder in list(self.jobs.iterdir()):
+        for folder in self._listing(self.jobs):
             if not ID_RE.match(folder.name):
                 continue
             try:

@@ -1,10 +1,12 @@
-"""``GET /v1/models`` and ``GET /v1/models/{name}``: registered specs (``ModelSpec.info``)."""
+"""``GET /v1/models``, ``GET /v1/models/{name}`` (every model, ready or unavailable) and
+``POST /v1/models/reload`` (rescan the model folder without a restart)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+import anyio
+from fastapi import APIRouter, Request
 
 from service.deps import ReadyRepositoryDep as RepositoryDep
 from service.routes.docs import error_doc
@@ -14,14 +16,36 @@ __all__ = ["router"]
 router = APIRouter(tags=["models"])
 
 
+def _infos(repository: Any) -> list[dict[str, Any]]:
+    if hasattr(repository, "infos"):
+        infos: list[dict[str, Any]] = repository.infos()
+        return infos
+    return [{**spec.info(), "status": "ready"} for spec in repository.specs()]  # stand-in repositories
+
+
 @router.get("/models")
 async def list_models(repository: RepositoryDep) -> list[dict[str, Any]]:
-    """List the models with their specs and defaults."""
-    return [spec.info() for spec in repository.specs()]
+    """List the models: specs and defaults, ``status`` ``ready`` or ``unavailable`` with ``reason``."""
+    return _infos(repository)
+
+
+@router.post(
+    "/models/reload",
+    responses={503: error_doc("not_ready", "Models are not loaded (yet).")},
+)
+async def reload_models(request: Request, repository: RepositoryDep) -> list[dict[str, Any]]:
+    """Rescan the model folder and warm the models up again; answers the new list."""
+    del repository  # only for the readiness check: the new one replaces it
+    state = request.app.state
+    async with state.reload_lock:  # one rescan at a time; requests keep the repository they began with
+        state.repository = await anyio.to_thread.run_sync(state.load_repository)
+    return _infos(state.repository)
 
 
 @router.get("/models/{name}", responses={404: error_doc("unknown_model", "No model of this name.")})
 async def get_model(name: str, repository: RepositoryDep) -> dict[str, Any]:
-    """Describe one model."""
-    info: dict[str, Any] = repository.spec(name).info()
-    return info
+    """Describe one model (its status too)."""
+    if hasattr(repository, "info"):
+        info: dict[str, Any] = repository.info(name)
+        return info
+    return {**repository.spec(name).info(), "status": "ready"}

@@ -35,7 +35,9 @@ async def readyz(request: Request, settings: SettingsDep, repository: Repository
             status_code=503,
             headers={"Retry-After": str(settings.retry_after_s)},
         )
-    return JSONResponse({"status": "ready", "models": repository.names(), "device": request.app.state.device})
+    unavailable = sorted(repository.unavailable()) if hasattr(repository, "unavailable") else []
+    body = {"status": "ready", "models": repository.names(), "unavailable": unavailable}
+    return JSONResponse({**body, "device": request.app.state.device})
 
 
 @router.get("/metrics", response_class=Response)

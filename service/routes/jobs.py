@@ -174,10 +174,11 @@ async def submit_job(
     slot: Slot | None = None
     try:
         with state.uploads.hold():
-            job_id, folder = await anyio.to_thread.run_sync(store.new_folder)
+            job_id, job_folder = await anyio.to_thread.run_sync(store.new_folder)
+            folder = job_folder
             pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s)
             source, n_bytes = await receive_upload(
-                request, folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
+                request, job_folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
             )
         metrics.bytes_in.inc(n_bytes)
         limits = Limits.from_settings(settings)

@@ -179,6 +179,11 @@ def test_image_serves_healthz(cpu_image, tmp_path):
         names = [m["name"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()]
         # text-det-2d is listed only when its ONNX file is in the model folder: prepared at build time.
         assert {"gaussian-3d", "text-det-2d"} <= set(names), names
+        # The page, with its volume viewer (NiiVue, taken from npm at build time).
+        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=30)
+        assert page.status_code == 200 and '<meta name="tilewise-viewer" content="niivue">' in page.text
+        viewer = httpx.get(f"http://127.0.0.1:{port}/static/vendor/niivue.umd.js", timeout=30)
+        assert viewer.status_code == 200 and viewer.content.startswith(b"(function(")
         # The image's own HEALTHCHECK command (port 8000 there) succeeds against this port.
         test = image_config(cpu_image)["Healthcheck"]["Test"]
         assert test[0] == "CMD"

@@ -36,10 +36,10 @@ QUERY = {"tile": "12", "halo": "4", "batch_size": "1", "format": "nii.gz"}
 
 
 @contextlib.contextmanager
-def job_cluster(root: Path, models_dir: Path) -> Iterator[tuple[Cluster, Path]]:
-    """Two replicas sharing ``root/jobs`` behind nginx; leases of 10 s, scans every 0.25 s."""
+def job_cluster(root: Path, models_dir: Path, lease_s: float = 10) -> Iterator[tuple[Cluster, Path]]:
+    """Two replicas sharing ``root/jobs`` behind nginx; leases of ``lease_s``, scans every 0.25 s."""
     shared = root / "jobs"
-    settings = {"jobs_dir": str(shared), "job_lease_s": "10", "job_scan_s": "0.25"}
+    settings = {"jobs_dir": str(shared), "job_lease_s": str(lease_s), "job_scan_s": "0.25"}
     procs: list[subprocess.Popen[bytes]] = []
     balancer = None
     try:
@@ -120,6 +120,14 @@ def test_the_other_replica_takes_over_a_job_whose_replica_was_killed(tmp_path, m
     with job_cluster(tmp_path, models_dir) as (cluster, shared):
         lb = cluster.balancer.url
         job = httpx.post(f"{lb}/v1/jobs", params={"model": MODEL, **QUERY}, content=body, timeout=60).json()
+        seen: list[int] = []  # events stream through nginx as they happen (no buffering)
+        with httpx.stream("GET", f"{lb}/v1/jobs/{job['id']}/events", timeout=30) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[len("data: ") :])["tiles_done"])
+                if len(set(seen)) >= 3:
+                    break
+        assert seen == sorted(seen) and 0 < seen[-1] < 2744, seen
         poller = Poller(lb, job["id"])
         poller.start()
         wait_until(lambda: poller.last.get("tiles_done", 0) >= 600, 120, "600 tiles")
@@ -152,6 +160,39 @@ def test_the_other_replica_takes_over_a_job_whose_replica_was_killed(tmp_path, m
             "takeover %.2f s after the kill; %d polls, %d answered 502 (retried); %d tiles resumed",
             takeover_s, len(codes), codes.count(502), resumed,
         )  # fmt: skip
+
+
+def test_a_hung_replica_loses_its_job_when_the_lease_expires(tmp_path, models_dir):
+    """SIGSTOP (not SIGKILL): the owner's lock stays held, so only the expiry frees the job; when the
+    owner wakes up it finds the newer lease (fencing) and stops without writing to the job."""
+    body = nifti((64, 64, 64), seed=1)
+    with job_cluster(tmp_path, models_dir, lease_s=3) as (cluster, shared):
+        lb = cluster.balancer.url
+        job = httpx.post(f"{lb}/v1/jobs", params={"model": MODEL, **QUERY}, content=body, timeout=60).json()
+        status = f"{lb}/v1/jobs/{job['id']}"
+        wait_until(lambda: httpx.get(status, timeout=10).json()["tiles_done"] >= 300, 120, "300 tiles")
+        victim = owner(shared, job["id"], cluster)
+        assert victim is not None
+        survivor = next(i for i in cluster.instances if i is not victim)
+        victim.proc.send_signal(signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            wait_until(lambda: owner(shared, job["id"], cluster) is survivor, 60, "the takeover")
+            takeover_s = time.monotonic() - stopped
+        finally:
+            victim.proc.send_signal(signal.SIGCONT)
+        # Not before the lease expired (3 s after the last renewal, renewed every second): the lock
+        # of the stopped owner was held all along.
+        assert takeover_s >= 1.9
+        wait_until(lambda: httpx.get(status, timeout=10).json()["state"] == "done", 300, "the job to finish")
+        before = metric(victim.url, "tilewise_job_tiles_computed_total")
+        time.sleep(1.0)
+        assert metric(victim.url, "tilewise_job_tiles_computed_total") == before  # it stopped
+        assert "was taken over; stopping" in victim.log_text()
+        result = httpx.get(f"{status}/result", timeout=60)
+        sync = httpx.post(f"{survivor.url}/v1/models/{MODEL}/infer", params=QUERY, content=body, timeout=300)
+        assert result.status_code == sync.status_code == 200 and result.content == sync.content
+        logger.info("hung owner: taken over %.2f s after SIGSTOP (lease 3 s, scan 0.25 s)", takeover_s)
 
 
 def test_batch_jobs_survives_a_killed_replica(tmp_path, models_dir):

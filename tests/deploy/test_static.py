@@ -118,7 +118,10 @@ def test_dockerfiles_follow_the_contract():
         assert text.index('"torch==${TORCH_VERSION}"') < text.index("COPY pyproject.toml")
         assert text.index("COPY pyproject.toml") < text.index("COPY . ./")
         assert "ARG TORCH_VERSION=2.13.0" in text
-        assert "tilewise setup-models --models /opt/tilewise/models" in text
+        assert "tilewise setup-models --models /opt/tilewise/models --web /opt/tilewise/web" in text
+        # the page's viewer, fetched at build time, travels to the runtime stage and is found there
+        assert "COPY --from=build /opt/tilewise/web /opt/tilewise/web" in text
+        assert "TILEWISE_WEB_DIR=/opt/tilewise/web" in text
         assert re.search(r"^HEALTHCHECK .*\n.*/healthz", text, re.MULTILINE)
         (user,) = re.findall(r"^USER (\S+)", text, re.MULTILINE)
         assert user.split(":")[0].isdigit() and user.split(":")[0] != "0"

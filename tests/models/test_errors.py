@@ -132,13 +132,13 @@ def test_error_tree() -> None:
 def test_analytic_param_typo_is_refused_at_load(tmp_path: Path) -> None:
     _write_spec(tmp_path, backend="analytic", architecture="gaussian", out_channels=1, params={"sgima": 3.0})
     with pytest.raises(SpecError, match=r"m\.yaml \(model 'm'\).*'params\.sgima' is unknown"):
-        ModelRepository(tmp_path)
+        ModelRepository(tmp_path, strict=True)
 
 
 def test_analytic_param_of_wrong_type(tmp_path: Path) -> None:
     _write_spec(tmp_path, backend="analytic", architecture="gaussian", out_channels=1, params={"sigma": "2"})
     with pytest.raises(SpecError, match="'params.sigma' must be int or float"):
-        ModelRepository(tmp_path)
+        ModelRepository(tmp_path, strict=True)
 
 
 def test_analytic_param_typo_in_a_spec_built_in_code() -> None:

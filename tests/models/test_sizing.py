@@ -154,7 +154,8 @@ def test_a_budget_that_cannot_be_met_never_buys_tiny_tiles() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    shape=st.tuples(*[st.integers(20, 420)] * 3), name=st.sampled_from(["gaussian-3d", "log-3d", "sobel-3d"])
+    shape=st.tuples(*[st.integers(20, 420)] * 3),
+    name=st.sampled_from(["gaussian-3d", "log-3d", "sobel-3d", "tissue-3d"]),
 )
 def test_every_3d_builtin_default_plan_keeps_work_at_most_2_4(shape: tuple[int, ...], name: str) -> None:
     model = _repository().get(name)

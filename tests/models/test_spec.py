@@ -118,7 +118,15 @@ def test_unparsable_spec(tmp_path: Path) -> None:
 
 def test_repository_builtins_and_lookup(tmp_path: Path) -> None:
     repo = ModelRepository(tmp_path / "missing")
-    assert repo.names() == ["gaussian-2d", "gaussian-3d", "log-2d", "log-3d", "sobel-2d", "sobel-3d"]
+    assert repo.names() == [
+        "gaussian-2d",
+        "gaussian-3d",
+        "log-2d",
+        "log-3d",
+        "sobel-2d",
+        "sobel-3d",
+        "tissue-3d",
+    ]
     with pytest.raises(UnknownModelError, match="did you mean 'sobel-2d'"):
         repo.get("sobel2d")
     with pytest.raises(LookupError):
@@ -130,13 +138,15 @@ def test_repository_reads_folder_and_rejects_duplicates(tmp_path: Path) -> None:
     assert "tiny-unet" in ModelRepository(tmp_path).names()
     _write(tmp_path, GOOD, "b.json")
     with pytest.raises(RegistryError, match="defined twice"):
-        ModelRepository(tmp_path)
+        ModelRepository(tmp_path, strict=True)
+    assert "defined twice" in ModelRepository(tmp_path).unavailable()["tiny-unet"]  # not strict: listed
 
 
 def test_repository_fails_on_invalid_spec(tmp_path: Path) -> None:
     _write(tmp_path, {**GOOD, "in_chanels": 1})
     with pytest.raises(SpecError, match="in_chanels"):
-        ModelRepository(tmp_path)
+        ModelRepository(tmp_path, strict=True)
+    assert "in_chanels" in ModelRepository(tmp_path).unavailable()["tiny-unet"]  # not strict: listed
 
 
 def test_params_merge_over_spec_defaults(tmp_path: Path) -> None:
@@ -174,7 +184,9 @@ def test_medical_fields_spacing_orientation_labels(tmp_path: Path) -> None:
     assert spec.spacing == (1.0, 1.5, 2.0) and spec.orientation == "RAS" and spec.labels == {0: "bg", 1: "gm"}
     info = spec.info()
     assert info["spacing"] == [1.0, 1.5, 2.0] and info["orientation"] == "RAS"
-    assert info["labels"] == {"0": "bg", "1": "gm"} and info["tile_dependent"] is False
+    assert info["labels"] == {"0": "bg", "1": "gm"}
+    assert info["tile_dependent"] is None  # absent: unknown until probed (the repository reports it then)
+    assert load_spec(_write(tmp_path, {**GOOD, "tile_dependent": False})).info()["tile_dependent"] is False
     assert load_spec(_write(tmp_path, GOOD)).info()["spacing"] is None
     for bad, fragment in [
         ({"spacing": [1, 1]}, "field 'spacing' must list 3 values"),

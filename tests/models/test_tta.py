@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,3 +86,53 @@ def test_tta_average_logits_takes_the_activation_after_the_mean(rng: np.random.G
     got = model.run(x, parse_params({"tta": "mirror"}))
     np.testing.assert_allclose(got, expected, atol=1e-5)  # fp32 conv on different crops
     assert np.abs(got - _whole_tta(conv, x)).max() > 1e-4  # not the mean of the probabilities
+
+
+@pytest.fixture(scope="module")
+def backends_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The skewed conv as TorchScript and as ONNX (``mirror_axes: [1]``), with the eager module."""
+    import yaml
+
+    from models.export import export_onnx, export_torchscript
+
+    folder = tmp_path_factory.mktemp("tta-backends")
+    _, conv = _skewed_model()
+    conv = conv.eval()
+    export_torchscript(conv, folder / "skew.ts", in_channels=1, export_shape=(32, 32), alignment=1)
+    export_onnx(conv, folder / "skew.onnx", in_channels=1, export_shape=(32, 32), alignment=1)
+    for backend, file in (("torchscript", "skew.ts"), ("onnx", "skew.onnx")):
+        spec = {**SPEC, "name": f"skew-{backend}", "backend": backend, "file": file, "mirror_axes": [1]}
+        (folder / f"skew-{backend}.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    return folder, conv
+
+
+@pytest.mark.parametrize("backend", ["eager", "torchscript", "onnx"])
+def test_mirror_axes_for_every_backend(backends_dir: Any, backend: str, rng: np.random.Generator) -> None:
+    """``mirror_axes: [1]``: two passes (none, axis 1 flipped); tiled equals whole-image TTA within 1e-5."""
+    from models import ModelRepository
+
+    folder, conv = backends_dir
+    if backend == "eager":
+        spec = spec_from_mapping({**SPEC, "mirror_axes": [1]})
+        model = Model(spec, EagerPredictor(spec, torch.device("cpu"), conv))
+    else:
+        model = ModelRepository(folder, device="cpu").get(f"skew-{backend}")
+    assert model.spec.mirror_axes == (1,) and model.spec.info()["mirror_axes"] == [1]
+    x = rng.standard_normal((1, 45, 70)).astype(np.float32)
+    plan = model.plan(x.shape[1:], InferenceParams(tta="mirror"))
+    assert plan.flips == ((), (1,)) and plan.n_tiles == 2 * plan.grid.n_tiles > 2
+    got = model.run(x, InferenceParams(tta="mirror"))
+    t = torch.from_numpy(x)[None]
+    with torch.inference_mode():
+        passes = [torch.softmax(conv(t), 1), torch.softmax(conv(t.flip(3)), 1).flip(3)]
+    expected = torch.stack(passes).mean(0)[0].numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-5)  # fp32 conv on different crops
+
+
+def test_mirror_axes_refused_when_out_of_range() -> None:
+    from models import SpecError
+
+    assert spec_from_mapping(SPEC).mirror_axes == (0, 1)  # default: every spatial axis
+    for bad in ([2], [0, 0]):
+        with pytest.raises(SpecError, match="mirror_axes"):
+            spec_from_mapping({**SPEC, "mirror_axes": bad})

@@ -81,8 +81,8 @@ class Server:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment without ``TILEWISE_*`` variables but the test's empty ``TILEWISE_MODELS_DIR``
-    (set by the root conftest), plus ``extra``."""
-    keep = {"TILEWISE_MODELS_DIR"}
+    and session ``TILEWISE_WEB_DIR`` (set by the root conftest), plus ``extra``."""
+    keep = {"TILEWISE_MODELS_DIR", "TILEWISE_WEB_DIR"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_") or k in keep}
     env.update(extra)
     return env

@@ -153,7 +153,7 @@ def test_the_pipeline_reports_the_plan_that_ran_after_out_of_memory(
     model = ModelRepository(empty_models_dir, device="cpu").get("gaussian-3d")
     failing = Model(model.spec, _OutOfMemoryAbove1(model.predictor))
     volume = decode(_nifti(tmp_path / "v.nii", (70, 60, 50)))
-    reference, _ = run_volume(model, volume, InferenceParams(tile=32, batch_size=1))
-    result, plan = run_volume(failing, volume, InferenceParams(tile=32, batch_size=4))
-    np.testing.assert_array_equal(result, reference)
-    assert plan.batch_size == 1
+    reference = run_volume(model, volume, InferenceParams(tile=32, batch_size=1)).result
+    run = run_volume(failing, volume, InferenceParams(tile=32, batch_size=4))
+    np.testing.assert_array_equal(run.result, reference)
+    assert run.plan.batch_size == 1 and run.plan.output == "probabilities"

@@ -5,6 +5,7 @@ run: tests/service/test_hardening_sockets.py.)"""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ from _jobs_helpers import VOLATILE_HEADERS, cpu_seconds, metric, mni152_2mm, nif
 from _svc_helpers import Server, start_server, stop_server
 
 from service.client import ClientSettings, JobFailedError, TilewiseClient
+
+logger = logging.getLogger(__name__)
 
 KEY = "jobs-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -53,9 +56,11 @@ def test_mni152_as_a_job_streams_progress_and_equals_the_synchronous_answer(clie
     job = submitted.json()
     assert submitted.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["state"] == "queued" and job["model"] == MODEL and job["created"].endswith("Z")
+    opened = time.monotonic()
     with client.stream("GET", f"/v1/jobs/{job['id']}/events") as stream:
         assert stream.headers["content-type"].startswith("text/event-stream")
         events = read_events(stream)
+    seconds = time.monotonic() - opened
     names = [name for name, _ in events]
     assert names[-1] == "done" and set(names[:-1]) == {"progress"}
     done = [data["tiles_done"] for _, data in events]
@@ -63,6 +68,10 @@ def test_mni152_as_a_job_streams_progress_and_equals_the_synchronous_answer(clie
     assert done == sorted(done) and done[-1] == total > 1
     assert len({d for d in done if 0 < d < total}) >= 2, done  # rising tile by tile, not all at once
     final = events[-1][1]
+    rate = len(events) / seconds
+    # The record is written at most every 0.2 s while a job runs, and at each state and slab.
+    assert len(events) <= seconds / 0.2 + 10, (len(events), seconds)
+    logger.info("%d events in %.1f s (%.1f/s) for %d tiles", len(events), seconds, rate, total)
     assert final["progress"] == 1.0 and final["eta_s"] == 0.0 and final["finished"] >= final["started"]
     result = client.get(f"/v1/jobs/{job['id']}/result")
     sync = client.post(f"/v1/models/{MODEL}/infer", params=query, content=body)

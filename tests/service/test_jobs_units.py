@@ -238,3 +238,26 @@ def test_status_progress_and_eta() -> None:
     done = job_status({**record, "state": "done", "finished_at": 20.0})
     assert done["progress"] == 1.0 and done["eta_s"] == 0.0
     assert [s.finished for s in JobState] == [False, False, True, True, True]
+
+
+def test_a_tta_job_starts_over_and_still_writes_the_synchronous_file(tmp_path, gaussian) -> None:
+    """tta=mirror averages its passes in memory: a stopped run records no slab and runs again whole."""
+    source = _volume(tmp_path / "in.nii.gz")
+    params = InferenceParams.model_validate({"tile": "16", "halo": "4", "tta": "mirror"})
+    reference = run_file(gaussian, source, tmp_path / "sync", params)
+    saved: dict = {}
+    started = []
+
+    def checkpoint() -> SlabCheckpoint:
+        return SlabCheckpoint(tmp_path / "partial.npy", dict(saved) or None, saved.update,
+                              lambda plan, point: started.append(point))  # fmt: skip
+
+    done = [0]
+    with pytest.raises(RunCancelledError):
+        run_file(gaussian, source, tmp_path / "job", params, checkpoint=checkpoint(),
+                 progress=lambda n: done.__setitem__(0, done[0] + n),
+                 should_stop=lambda: done[0] >= reference.n_tiles // 2)  # fmt: skip
+    assert saved["rows_done"] == 0
+    result = run_file(gaussian, source, tmp_path / "job", params, checkpoint=checkpoint())
+    assert [p.first_tile for p in started] == [0, 0]
+    assert result.path.read_bytes() == reference.path.read_bytes()

@@ -1,0 +1,129 @@
+"""What a model says about its seams: whether tiles change its output, and when a run reports it.
+
+A *tile-dependent* network (instance norm, attention, global pooling over the tile) cannot be made
+exact by any halo (DESIGN.md, "tile-dependent networks"). :class:`SeamPolicy` holds one loaded
+model's verdict: the spec's ``tile_dependent``, else :func:`models.dependence.probe_tile_dependence`
+run once on a tile of the spec's default shape (at warm-up, or on first need) and cached. From it
+and the receptive field it decides whether a run measures its seam (:meth:`SeamPolicy.seam_stats`,
+the ``X-Tilewise-Seam`` header) and whether a given halo deserves a warning
+(:meth:`SeamPolicy.halo_warning`, the ``X-Tilewise-Warning`` header).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from models.backends import BasePredictor
+from models.calibration import HaloCalibrator
+from models.dependence import ProbeError, TileDependence, probe_tile_dependence
+from models.plan import RunPlan
+from models.preprocess import make_reduce
+from models.spec import Backend, ModelSpec
+from tiling import SeamStats, TileGrid
+from tiling.geometry import as_ints
+from tiling.plan import round_up
+
+__all__ = ["SeamPolicy"]
+
+logger = logging.getLogger(__name__)
+
+
+class SeamPolicy:
+    """Tile dependence (spec or probe, cached; thread-safe), seam measurement and halo warnings.
+
+    Args:
+        spec: the model's spec.
+        predictor: its predictor (probed at most once).
+        calibrator: its receptive field (read, never probed here).
+    """
+
+    def __init__(self, spec: ModelSpec, predictor: BasePredictor, calibrator: HaloCalibrator) -> None:
+        self.spec = spec
+        self.predictor = predictor
+        self.calibrator = calibrator
+        self._lock = threading.Lock()
+        self._probe: TileDependence | None = None
+
+    @property
+    def known(self) -> bool | None:
+        """The spec's ``tile_dependent``, else the probe's verdict once run, else ``None`` (unknown).
+
+        Analytic models and global-pooling ones (whose pool means come from the whole image, so
+        tiles do not change them) are local without a probe.
+        """
+        spec = self.spec
+        if spec.tile_dependent is not None:
+            return spec.tile_dependent
+        if spec.backend == Backend.ANALYTIC or spec.global_pooling:
+            return False
+        with self._lock:
+            return None if self._probe is None else self._probe.tile_dependent
+
+    def tile_dependent(self) -> bool:
+        """:attr:`known`, else the probe's verdict, probing now (once: two or three forward passes
+        over one tile of the spec's default shape). A tile too small to probe counts as local."""
+        known = self.known
+        if known is not None:
+            return known
+        spec = self.spec
+        with self._lock:
+            if self._probe is None:
+                assert spec.defaults.tile is not None
+                tile = as_ints(spec.defaults.tile, spec.spatial_dims, "tile", minimum=1)
+                tile = tuple(round_up(t, spec.alignment) for t in tile)
+                try:
+                    self._probe = probe_tile_dependence(
+                        self.predictor,
+                        spatial_dims=spec.spatial_dims,
+                        in_channels=spec.in_channels,
+                        tile_shape=tile,
+                        radius=self.calibrator.known_radius,
+                        alignment=spec.alignment,
+                        device=self.predictor.device,
+                    )
+                except ProbeError as exc:
+                    logger.warning("model %s: tile dependence unprobed (%s): local", spec.name, exc)
+                    return False
+                logger.info(
+                    "model %s: tile-dependent %s (relative change %.3g at tile %s)",
+                    spec.name,
+                    self._probe.tile_dependent,
+                    self._probe.relative_change,
+                    tile,
+                )
+            return self._probe.tile_dependent
+
+    def seam_stats(self, plan: RunPlan) -> SeamStats | None:
+        """A fresh :class:`~tiling.SeamStats` when the run of ``plan`` should report its seam, else ``None``.
+
+        Reported for a tile-dependent model, and for a local one whose halo is below its known
+        receptive-field radius on an axis with more than one tile. Differences are taken after
+        the spec's activation (probabilities, when it has one).
+        """
+        if not (self._short_axes(plan.grid, plan.halo) or self.tile_dependent()):
+            return None
+        return SeamStats(transform=make_reduce(self.spec.activation, "probabilities"))
+
+    def halo_warning(self, grid: TileGrid, halo: tuple[int, ...]) -> str | None:
+        """The warning for a given halo below a local model's radius where tiles meet, else ``None``."""
+        radius = self.calibrator.known_radius
+        if self.known or radius is None or not self._short_axes(grid, halo):
+            return None
+
+        def axes(values: Sequence[int]) -> str:
+            return ",".join(str(v) for v in values)
+
+        return (
+            f"halo {axes(halo)} is below the receptive-field radius {axes(radius)} of model "
+            f"{self.spec.name!r}, so the output differs from the whole-image result near tile seams "
+            f"(use halo={axes(radius)} or halo=auto)."
+        )
+
+    def _short_axes(self, grid: TileGrid, halo: tuple[int, ...]) -> list[int]:
+        """Axes with more than one tile whose halo is below the known radius."""
+        radius = self.calibrator.known_radius
+        if radius is None:
+            return []
+        return [a for a, axis in enumerate(grid.axes) if axis.n_tiles > 1 and halo[a] < radius[a]]

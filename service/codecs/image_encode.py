@@ -1,0 +1,122 @@
+"""Image outputs: write a result as PNG (label palettes, 16-bit grey, RGB), TIFF or NPY.
+
+One job: the encoders and :data:`LABEL_PALETTE`, the colour of each label id in a label PNG.
+"""
+
+from __future__ import annotations
+
+import colorsys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tifffile
+from PIL import Image
+
+from service.codecs.volume import DecodedVolume
+from service.errors import BadParameterError
+
+__all__ = ["LABEL_PALETTE", "encode_npy", "encode_png", "encode_tiff", "label_image"]
+
+
+def _label_palette() -> list[tuple[int, int, int]]:
+    """256 distinct colours: 0 black (background), 1..6 the primaries and secondaries, then hues
+    a golden angle apart, cycling through three brightness levels."""
+    colours = [(0, 0, 0), (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (255, 0, 255)]
+    seen = set(colours)
+    i = 0
+    while len(colours) < 256:
+        i += 1
+        hue = (i * 0.618033988749895) % 1.0
+        value = (1.0, 0.75, 0.5)[i % 3]
+        rgb = tuple(round(c * 255) for c in colorsys.hsv_to_rgb(hue, 0.85, value))
+        if rgb not in seen:
+            seen.add(rgb)
+            colours.append(rgb)  # type: ignore[arg-type]
+    return colours
+
+
+#: RGB colour of each label id in a label PNG (index = label id).
+LABEL_PALETTE: list[tuple[int, int, int]] = _label_palette()
+
+
+def _planar(array: np.ndarray, spatial_dims: int) -> tuple[np.ndarray, int]:
+    """Add the channel axis to labels; return ``(C, *spatial)`` and C."""
+    if array.ndim == spatial_dims:
+        array = array[None]
+    return array, int(array.shape[0])
+
+
+def _squeeze_to_2d(array: np.ndarray) -> np.ndarray:
+    """``(C, H, W, 1)`` (a single-slice NIfTI) to ``(C, H, W)``; other shapes unchanged."""
+    while array.ndim > 3 and array.shape[-1] == 1:
+        array = array[..., 0]
+    return array
+
+
+def label_image(labels: np.ndarray) -> Image.Image:
+    """uint8 labels ``(H, W)`` as a palette image: values stay the ids, colours :data:`LABEL_PALETTE`."""
+    image = Image.fromarray(np.ascontiguousarray(labels, dtype=np.uint8))
+    image.putpalette([c for rgb in LABEL_PALETTE for c in rgb])  # "L" becomes "P", data unchanged
+    return image
+
+
+def encode_png(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
+    """Write a 2D output as PNG.
+
+    uint8 labels with one channel become a palette PNG (mode ``P``: values are the label ids,
+    :data:`LABEL_PALETTE` their colours); with three, an 8-bit RGB PNG. Float values: one channel
+    becomes a 16-bit grey PNG (values in [0, 1] scaled to 0..65535, others rounded and clipped to
+    0..65535); three channels an 8-bit RGB PNG (0..1 scaled to 0..255).
+
+    Raises:
+        BadParameterError: a 3D output, or a channel count PNG cannot hold.
+    """
+    planar, channels = _planar(array, volume.spatial_dims)
+    planar = _squeeze_to_2d(planar)
+    if planar.ndim != 3:
+        raise BadParameterError(f"format=png needs a 2D output, got spatial shape {planar.shape[1:]}")
+    if planar.dtype == np.uint8 and channels == 1:
+        image = label_image(planar[0])
+    elif planar.dtype == np.uint8 and channels == 3:
+        image = Image.fromarray(np.ascontiguousarray(np.moveaxis(planar, 0, -1)))
+    elif channels == 1:
+        values = planar[0].astype(np.float64)
+        if values.size and values.min() >= 0.0 and values.max() <= 1.0:
+            values = values * 65535.0
+        image = Image.fromarray(np.clip(np.rint(values), 0, 65535).astype(np.uint16))
+    elif channels == 3:
+        values = np.moveaxis(planar, 0, -1).astype(np.float64)
+        if values.size and values.min() >= 0.0 and values.max() <= 1.0:
+            values = values * 255.0
+        image = Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8))
+    else:
+        raise BadParameterError(f"format=png holds 1 or 3 channels, the output has {channels}; use tiff")
+    kwargs: dict[str, Any] = {}
+    if "dpi" in volume.info:
+        kwargs["dpi"] = volume.info["dpi"]
+    image.save(path, format="PNG", **kwargs)
+
+
+def encode_tiff(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
+    """Write an output as TIFF with its dtype (uint8 labels, float32 values).
+
+    One channel is written as ``(*spatial)``, several as planar ``(C, *spatial)``; the layout
+    is recorded in tifffile's shape metadata so ``tifffile.imread`` gives it back.
+    """
+    planar, channels = _planar(array, volume.spatial_dims)
+    if volume.kind != "nifti":
+        planar = _squeeze_to_2d(planar)
+    data = planar[0] if channels == 1 else planar
+    kwargs: dict[str, Any] = {"photometric": "minisblack"}
+    if channels > 1 and data.ndim == 3:
+        kwargs["planarconfig"] = "separate"
+    if "dpi" in volume.info:
+        kwargs["resolution"] = tuple(volume.info["dpi"])
+        kwargs["resolutionunit"] = "INCH"
+    tifffile.imwrite(path, np.ascontiguousarray(data), **kwargs)
+
+
+def encode_npy(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:  # noqa: ARG001
+    """Write the output array as ``.npy``: labels ``(*spatial)``, values ``(C, *spatial)``."""
+    np.save(path, np.ascontiguousarray(array), allow_pickle=False)

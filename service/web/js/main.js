@@ -1,0 +1,235 @@
+// The page's flow: API key (when the server needs one) → models → file and options → job →
+// progress from the event stream (cancel) → result over the input, legend, plan, download.
+
+import { Api, ApiError } from "./api.js";
+import { pictureOfFile, sniff, valuesOfFile } from "./decode/files.js";
+import { RunForm } from "./form.js";
+import { showDownload, showFacts, showLegend } from "./legend.js";
+import { ImageView, pictureOf } from "./view2d.js";
+import { VolumeView, viewerProblem } from "./view3d.js";
+
+const $ = (id) => document.getElementById(id);
+const meta = (name) => document.querySelector(`meta[name="${name}"]`).content;
+
+const api = new Api();
+const state = { job: null, running: false, abort: null };
+const ui = {
+  run: $("run"),
+  cancel: $("cancel"),
+  progress: $("progress"),
+  percent: $("percent"),
+  status: $("status"),
+  error: $("error"),
+  result: $("result"),
+  opacity: $("opacity"),
+  opacityValue: $("opacity-value"),
+  channel: $("channel"),
+  channelBox: $("channel-box"),
+  location: $("location"),
+};
+const form = new RunForm(updateButtons);
+const showLocation = (text) => {
+  ui.location.textContent = text;
+};
+const volumes = new VolumeView($("view3d"), $("canvas-box"), showLocation);
+const images = new ImageView($("view2d"), showLocation);
+let view = null;
+// The viewers, for scripting the page from the browser's console (and for its tests).
+window.tilewise = { volumes, images };
+
+function updateButtons() {
+  ui.run.disabled = state.running || !form.ready();
+  ui.cancel.disabled = !state.running;
+}
+
+function say(text) {
+  ui.status.textContent = text;
+}
+
+function fail(error) {
+  ui.error.hidden = false;
+  ui.error.textContent = error instanceof ApiError ? `The server answered ${error.status}: ${error.message}` : String(error.message || error);
+}
+
+function clearError() {
+  ui.error.hidden = true;
+  ui.error.textContent = "";
+}
+
+function setProgress(fraction) {
+  ui.progress.value = fraction;
+  ui.percent.textContent = `${Math.floor(100 * fraction)} %`;
+}
+
+function progressText(job) {
+  const parts = [job.state];
+  if (job.tiles_total) parts.push(`${job.tiles_done} / ${job.tiles_total} tiles`);
+  if (job.state === "running" && job.eta_s !== null && job.eta_s !== undefined) parts.push(`ETA ${Math.ceil(job.eta_s)} s`);
+  return parts.join(" · ");
+}
+
+async function loadModels() {
+  clearError();
+  say("Loading models…");
+  try {
+    form.setModels(await api.models());
+    say(form.models.length ? "Choose a model and a file." : "This server has no models.");
+    return true;
+  } catch (error) {
+    fail(error);
+    say(error.status === 401 ? "The API key was refused." : "The models could not be listed.");
+    return false;
+  }
+}
+
+async function run() {
+  const model = form.model();
+  const file = form.file;
+  state.running = true;
+  state.job = null;
+  state.abort = new AbortController();
+  updateButtons();
+  clearError();
+  setProgress(0);
+  ui.result.hidden = true;
+  try {
+    say(`Uploading ${file.name}…`);
+    const job = await api.submit(model.name, form.params(), file);
+    state.job = job;
+    say(progressText(job));
+    let last = job;
+    const end = await follow(job.id, (status) => {
+      last = status;
+      setProgress(status.progress);
+      say(progressText(status));
+    });
+    if (end === "done") {
+      say("done · loading the result…");
+      await showResult(model, file, last);
+      setProgress(1);
+      say(`done · ${progressText(last).replace(/^done · /, "")}`);
+      // One column (a phone): bring the result into view when it lies below the screen.
+      if (ui.result.getBoundingClientRect().top > window.innerHeight) ui.result.scrollIntoView({ block: "start" });
+    } else if (end === "failed") {
+      const error = last.error || {};
+      fail(new ApiError(0, error.error || "failed", error.detail || ""));
+      say("failed");
+    } else {
+      say("cancelled");
+    }
+  } catch (error) {
+    if (error.name === "AbortError") {
+      say("cancelled");
+    } else {
+      fail(error);
+      say(state.job ? `${state.job.state} · stopped following the job` : "not submitted");
+    }
+  } finally {
+    state.running = false;
+    state.abort = null;
+    updateButtons();
+  }
+}
+
+/** The job's events until its end; a stream cut short (a proxy, a restarted replica) is opened
+ * again, up to five times in a row, since any replica answers for any job. */
+async function follow(id, onStatus) {
+  for (let failures = 0; ; ) {
+    try {
+      return await api.follow(id, (name, status) => onStatus(status), state.abort.signal);
+    } catch (error) {
+      const retry = error.name === "TypeError" || (error instanceof ApiError && error.code === "stream_ended");
+      if (!retry || ++failures > 5) throw error;
+      say(`${ui.status.textContent.split(" · reconnecting")[0]} · reconnecting…`);
+      await new Promise((resolve) => setTimeout(resolve, 1000));
+    }
+  }
+}
+
+async function cancel() {
+  ui.cancel.disabled = true;
+  if (!state.job) {
+    if (state.abort) state.abort.abort(); // still uploading: no job yet
+    return;
+  }
+  say("cancelling…");
+  try {
+    await api.cancel(state.job.id); // the event stream then ends with "cancelled"
+  } catch (error) {
+    fail(error);
+  }
+}
+
+async function showResult(model, file, job) {
+  const result = await api.result(job.id);
+  const kind = result.headers.get("x-tilewise-output") || (model.defaults || {}).output || "probabilities";
+  const info = { kind, labels: model.labels || {}, opacity: ui.opacity.value / 100 };
+  const input = await file.arrayBuffer();
+  const type = sniff(input);
+  showFacts($("facts"), result.headers, job);
+  showDownload($("download"), result);
+  ui.result.hidden = false;
+  $("view2d").hidden = true;
+  $("view3d").hidden = true;
+  $("canvas-box").classList.toggle("volume", type === "nifti");
+  $("canvas-box").classList.toggle("image", type !== "nifti");
+  let facts = null;
+  if (type === "nifti") {
+    const problem = viewerProblem();
+    if (problem) {
+      fail(new Error(`${problem} The output can still be downloaded.`));
+      view = null;
+    } else {
+      $("view3d").hidden = false;
+      view = volumes;
+      facts = await volumes.show(input, result, info);
+      ui.location.textContent = "Click a view, or focus it and use the arrow keys, to move the crosshair.";
+    }
+  } else {
+    $("view2d").hidden = false;
+    view = images;
+    const picture = await pictureOfFile(input, type, pictureOf);
+    facts = images.show(picture, await valuesOfFile(result.bytes), info);
+    ui.location.textContent = "Click the image to read the output under a pixel.";
+  }
+  if (facts) {
+    showLegend($("legend"), facts, info);
+    setChannels(kind === "labels" ? 1 : facts.channels);
+  }
+}
+
+function setChannels(count) {
+  ui.channel.replaceChildren(...Array.from({ length: count }, (_, k) => new Option(`channel ${k}`, String(k))));
+  ui.channelBox.hidden = count <= 1;
+}
+
+function boot() {
+  ui.opacity.addEventListener("input", () => {
+    ui.opacityValue.textContent = `${ui.opacity.value} %`;
+    if (view) view.setOpacity(ui.opacity.value / 100);
+  });
+  ui.channel.addEventListener("change", () => view && view.setChannel(Number(ui.channel.value)));
+  $("run-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    if (!ui.run.disabled) run();
+  });
+  ui.cancel.addEventListener("click", cancel);
+  if (meta("tilewise-viewer") !== "niivue") {
+    $("viewer-note").textContent = "The volume viewer is not installed here: run `tilewise setup-web`.";
+  }
+  if (meta("tilewise-api-key") === "required") {
+    const keyForm = $("key-form");
+    keyForm.hidden = false;
+    say("Enter the API key.");
+    keyForm.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      api.key = $("api-key").value.trim() || null;
+      if (await loadModels()) $("model").focus();
+    });
+    $("api-key").focus();
+  } else {
+    loadModels();
+  }
+}
+
+boot();

@@ -1,0 +1,167 @@
+"""The page's third-party viewer: NiiVue's browser bundle, taken from npm at setup time.
+
+NiiVue (``@niivue/niivue``, BSD-2-Clause, the niivue authors) draws the volume views of the page
+(``GET /``). Its self-contained UMD bundle ``package/dist/niivue.umd.js`` is taken from the npm
+tarball of one pinned version, whose SHA-256 (and the bundle's) are checked, and written to the web
+folder (``TILEWISE_WEB_DIR``, default :data:`DEFAULT_WEB_DIR`). It is never committed and never
+loaded from a CDN: the page makes no request outside its own server. Without the file the page
+still works for 2D images and says how to install the viewer for volumes.
+
+The tarball comes from ``npm pack`` when npm is installed, else straight from the npm registry
+(``$npm_config_registry``, default ``https://registry.npmjs.org/``), or from a local file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+import httpx
+
+__all__ = [
+    "DEFAULT_WEB_DIR",
+    "NIIVUE_FILE",
+    "NIIVUE_VERSION",
+    "WebAssetError",
+    "niivue_path",
+    "setup_niivue",
+    "web_dir_of",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Where ``tilewise setup-web`` puts the viewer when neither ``--web`` nor ``TILEWISE_WEB_DIR`` says.
+DEFAULT_WEB_DIR = Path("~/.cache/tilewise/web").expanduser()
+NIIVUE_PACKAGE = "@niivue/niivue"
+NIIVUE_VERSION = "0.69.0"
+#: The file name in the web folder (and under ``/static/vendor/`` on the server).
+NIIVUE_FILE = "niivue.umd.js"
+_MEMBER = "package/dist/niivue.umd.js"
+#: SHA-256 of ``npm pack @niivue/niivue@0.69.0`` (the registry's tarball) and of the bundle in it.
+NIIVUE_TARBALL_SHA256 = "6e9a6a471b428eb3b258a0086beca9187d95e43a781a39e8a519c6da246af485"
+NIIVUE_SHA256 = "47b896b77ec4a5be3ef1949c33ad393b6f45629921f326c279000bcf51bdb4af"
+_TIMEOUT_S = 120.0
+
+
+class WebAssetError(RuntimeError):
+    """The viewer cannot be downloaded, read or verified (the message says which and why)."""
+
+
+def web_dir_of(web_dir: Path | None) -> Path:
+    """``web_dir``, else ``TILEWISE_WEB_DIR``, else :data:`DEFAULT_WEB_DIR` (user folder expanded)."""
+    if web_dir is not None:
+        return web_dir.expanduser()
+    env = os.environ.get("TILEWISE_WEB_DIR")
+    return Path(env).expanduser() if env else DEFAULT_WEB_DIR
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def niivue_path(web_dir: Path) -> Path | None:
+    """The installed bundle in ``web_dir`` if it is there (its checksum is checked at setup)."""
+    path = web_dir / NIIVUE_FILE
+    return path if path.is_file() else None
+
+
+def _npm_pack(folder: Path) -> Path:
+    """``npm pack @niivue/niivue@VERSION`` into ``folder``; the tarball's path."""
+    spec = f"{NIIVUE_PACKAGE}@{NIIVUE_VERSION}"
+    cmd = ["npm", "pack", spec, "--pack-destination", str(folder), "--ignore-scripts", "--silent"]
+    try:
+        done = subprocess.run(
+            cmd, cwd=folder, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise WebAssetError(f"npm pack {spec} failed: {exc}") from exc
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise WebAssetError(f"npm pack {spec} exited with {done.returncode}: {' / '.join(tail)}")
+    tarballs = sorted(folder.glob("*.tgz"))
+    if len(tarballs) != 1:
+        raise WebAssetError(f"npm pack {spec} left {len(tarballs)} tarballs in {folder}")
+    return tarballs[0]
+
+
+def _download(folder: Path) -> Path:
+    """The registry's tarball of the pinned version, fetched over HTTPS (no npm installed)."""
+    registry = os.environ.get("npm_config_registry") or "https://registry.npmjs.org/"
+    name = NIIVUE_PACKAGE.split("/")[-1]
+    url = f"{registry.rstrip('/')}/{NIIVUE_PACKAGE}/-/{name}-{NIIVUE_VERSION}.tgz"
+    target = folder / f"{name}-{NIIVUE_VERSION}.tgz"
+    logger.info("npm not found: downloading %s", url)
+    try:  # httpx: certifi's CA bundle (a bare base image may lack the system's) and *_PROXY
+        answers = httpx.stream("GET", url, timeout=_TIMEOUT_S, follow_redirects=True)
+        with answers as answer, target.open("wb") as sink:
+            answer.raise_for_status()
+            for block in answer.iter_bytes(1 << 20):
+                sink.write(block)
+    except (httpx.HTTPError, OSError) as exc:
+        raise WebAssetError(f"cannot download {url}: {exc}") from exc
+    return target
+
+
+def _extract(tarball: Path, target: Path) -> None:
+    """Write the bundle member of ``tarball`` to ``target`` (atomically), checking both digests."""
+    found = _sha256(tarball)
+    if found != NIIVUE_TARBALL_SHA256:
+        raise WebAssetError(
+            f"{tarball.name}: SHA-256 {found} is not the pinned {NIIVUE_TARBALL_SHA256} of "
+            f"{NIIVUE_PACKAGE}@{NIIVUE_VERSION}"
+        )
+    partial = target.with_name(target.name + ".partial")
+    try:
+        with tarfile.open(tarball, "r:gz") as archive:
+            member = archive.getmember(_MEMBER)
+            source = archive.extractfile(member)
+            if source is None:
+                raise WebAssetError(f"{tarball.name}: {_MEMBER} is not a regular file")
+            with source, partial.open("wb") as sink:
+                shutil.copyfileobj(source, sink)
+    except (KeyError, tarfile.TarError, OSError) as exc:
+        partial.unlink(missing_ok=True)
+        raise WebAssetError(f"{tarball.name}: cannot read {_MEMBER}: {exc}") from exc
+    found = _sha256(partial)
+    if found != NIIVUE_SHA256:
+        partial.unlink(missing_ok=True)
+        raise WebAssetError(f"{_MEMBER}: SHA-256 {found} is not the pinned {NIIVUE_SHA256}")
+    partial.replace(target)
+
+
+def setup_niivue(web_dir: Path, *, tarball: Path | None = None, force: bool = False) -> Path:
+    """Put NiiVue's verified browser bundle into ``web_dir``; its path.
+
+    Args:
+        web_dir: the web folder (created if needed).
+        tarball: a local ``niivue-0.69.0.tgz`` (as ``npm pack`` writes it); default: ``npm pack``
+            (or the registry's tarball over HTTPS when npm is not installed).
+        force: take the tarball again even if a verified bundle is there.
+
+    Raises:
+        WebAssetError: the tarball cannot be had, or a checksum differs from the pinned one.
+    """
+    web_dir.mkdir(parents=True, exist_ok=True)
+    target = web_dir / NIIVUE_FILE
+    if not force and target.is_file() and _sha256(target) == NIIVUE_SHA256:
+        logger.info("NiiVue %s: %s already present and verified", NIIVUE_VERSION, target)
+        return target
+    if tarball is not None:
+        _extract(tarball.expanduser(), target)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tilewise-npm-") as tmp:
+            folder = Path(tmp)
+            source = _npm_pack(folder) if shutil.which("npm") else _download(folder)
+            _extract(source, target)
+    logger.info("NiiVue %s: %s written and verified", NIIVUE_VERSION, target)
+    return target
