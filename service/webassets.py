@@ -17,11 +17,13 @@ import hashlib
 import logging
 import os
 import shutil
+import ssl
 import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
 
+import certifi
 import httpx
 
 __all__ = [
@@ -94,6 +96,30 @@ def _npm_pack(folder: Path) -> Path:
     return tarballs[0]
 
 
+# Where Debian, Ubuntu and Alpine keep the system's CA bundle (with a site's own proxy CA, once
+# ``update-ca-certificates`` has run); Fedora and RHEL keep theirs in the second.
+_SYSTEM_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """certifi's CAs, the system's and those named by ``SSL_CERT_FILE`` / ``PIP_CERT``.
+
+    httpx alone trusts certifi's bundle, which lacks a site's TLS-inspecting proxy CA; pip here
+    trusts the system bundle (``PIP_CERT``), so a build that can ``pip install`` can fetch NiiVue
+    too. The tarball's SHA-256 is checked after the download in any case.
+    """
+    context = ssl.create_default_context(cafile=certifi.where())
+    context.load_default_certs()
+    named = (os.environ.get("SSL_CERT_FILE"), os.environ.get("PIP_CERT"), *_SYSTEM_BUNDLES)
+    for bundle in dict.fromkeys(b for b in named if b):
+        if Path(bundle).is_file():
+            try:
+                context.load_verify_locations(cafile=bundle)
+            except (ssl.SSLError, OSError) as exc:
+                logger.warning("CA bundle %s not loaded: %s", bundle, exc)
+    return context
+
+
 def _download(folder: Path) -> Path:
     """The registry's tarball of the pinned version, fetched over HTTPS (no npm installed)."""
     registry = os.environ.get("npm_config_registry") or "https://registry.npmjs.org/"
@@ -101,8 +127,8 @@ def _download(folder: Path) -> Path:
     url = f"{registry.rstrip('/')}/{NIIVUE_PACKAGE}/-/{name}-{NIIVUE_VERSION}.tgz"
     target = folder / f"{name}-{NIIVUE_VERSION}.tgz"
     logger.info("npm not found: downloading %s", url)
-    try:  # httpx: certifi's CA bundle (a bare base image may lack the system's) and *_PROXY
-        answers = httpx.stream("GET", url, timeout=_TIMEOUT_S, follow_redirects=True)
+    try:  # httpx: *_PROXY from the environment; CAs from certifi and the system (_ssl_context)
+        answers = httpx.stream("GET", url, timeout=_TIMEOUT_S, follow_redirects=True, verify=_ssl_context())
         with answers as answer, target.open("wb") as sink:
             answer.raise_for_status()
             for block in answer.iter_bytes(1 << 20):

@@ -14,6 +14,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import certifi
 import httpx
 import pytest
 
@@ -100,6 +101,29 @@ def test_without_npm_the_registry_tarball_is_downloaded(
     with pytest.raises(WebAssetError, match="cannot download https://npm.example.org/@niivue"):
         setup_niivue(tmp_path, force=True)
     assert _digest(tmp_path / NIIVUE_FILE) == NIIVUE_SHA256
+
+
+def test_download_trusts_the_system_bundle_without_ca_variables(
+    tmp_path: Path, niivue_tarball: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As in a container build: no SSL_CERT_FILE/PIP_CERT, only the system's CA bundle on disk.
+
+    Where HTTPS passes a TLS-inspecting proxy, certifi alone refuses its certificate (the image
+    build failed so); the system bundle that pip trusts is loaded too.
+    """
+    for name in ("SSL_CERT_FILE", "SSL_CERT_DIR", "PIP_CERT", "REQUESTS_CA_BUNDLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("npm_config_registry", raising=False)
+    try:
+        tarball = webassets._download(tmp_path)
+    except WebAssetError as exc:
+        try:  # reachable with the environment's own CA settings, unreachable without: the bug
+            httpx.head(REGISTRY_URL, timeout=10, verify=certifi.where())
+        except httpx.ConnectError as reach:
+            if "CERTIFICATE_VERIFY_FAILED" in str(reach):
+                raise AssertionError(f"the system CA bundle was not used: {exc}") from exc
+        pytest.skip(f"registry unreachable: {exc}")
+    assert _digest(tarball) == _digest(niivue_tarball)
 
 
 def test_failing_npm_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
