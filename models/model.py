@@ -9,9 +9,7 @@ memory halves the batch, then the tile, and runs again (:meth:`Model.execute`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,15 +21,16 @@ import numpy.typing as npt
 from models.backends import BasePredictor, PoolingContext
 from models.calibration import HaloCalibrator
 from models.errors import InputError
+from models.execute import execute_plan
 from models.footprint import Footprint, footprint_of
 from models.params import Blend, InferenceParams, OutputKind
 from models.plan import RunPlan
-from models.planner import default_memory_budget, given_halo_rule, retry_smaller, size_plan
-from models.preprocess import make_reduce, preprocess
+from models.planner import default_memory_budget, given_halo_rule, size_plan
+from models.preprocess import preprocess
 from models.receptive import HaloCalibration
 from models.seams import SeamPolicy
 from models.spec import ModelSpec
-from tiling import Resume, SeamStats, aligned_extent, context_halo
+from tiling import Resume, SeamStats
 from tiling.geometry import as_ints
 
 __all__ = ["Model"]
@@ -49,16 +48,12 @@ class Model:
         seams: its tile dependence (spec or probe), seam measurement and halo warnings.
     """
 
-    #: Global-pooling models: images of at most this many tiles' voxels get their pool means from
-    #: one whole-image pass (exact and fastest; memory up to this many tiles' worth).
-    CONTEXT_WHOLE_FACTOR = 4
-
     def __init__(self, spec: ModelSpec, predictor: BasePredictor) -> None:
         self.spec = spec
         self.predictor = predictor
         self.calibrator = HaloCalibrator(spec, predictor)
         self.context = predictor if isinstance(predictor, PoolingContext) else None
-        self._run_lock = threading.Lock()
+        self.run_lock = threading.Lock()  # global pooling: one run at a time (models.execute)
         self.seams = SeamPolicy(spec, predictor, self.calibrator)
         self._footprint_lock = threading.Lock()
         self._footprint: Footprint | None = None
@@ -262,36 +257,12 @@ class Model:
                 f"got {tuple(x.shape)}"
             )
         start = time.perf_counter()
-        labels = plan.output == OutputKind.LABELS
-        if len(plan.flips) == 1:
-            target = out[None] if out is not None and labels else out
-            reduce = make_reduce(spec.activation, plan.output.value)
-            run = (progress, should_stop, resume, seam, replanned)
-            result, plan = self._tiled(x, plan, reduce, target, *run)
-        else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
-            logits = spec.output.tta_average == "logits"
-            per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
-            total: npt.NDArray[np.float32] | None = None
-            for axes in plan.flips:
-                dims = tuple(1 + a for a in axes)
-                flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-                run = (progress, should_stop, None, seam, replanned)
-                y, plan = self._tiled(flipped, plan, per_pass, None, *run)
-                y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
-                total = y.copy() if total is None else total + y
-            assert total is not None
-            result = total / np.float32(len(plan.flips))
-            reduce = make_reduce(spec.activation if logits else "none", plan.output.value)
-            if reduce is not None:
-                import torch
-
-                result = reduce(torch.from_numpy(result)).numpy()
-            if out is not None:
-                out[...] = result[0] if labels else result
+        run = {"progress": progress, "should_stop": should_stop, "resume": resume, "seam": seam}
+        result, plan = execute_plan(self, x, plan, out=out, replanned=replanned, **run)
         logger.info("model %s: %s in %.2f s", spec.name, plan.header(), time.perf_counter() - start)
         if out is not None:
             return out
-        if labels:
+        if plan.output == OutputKind.LABELS:
             first: npt.NDArray[Any] = np.asarray(result)[0]
             return first
         return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
@@ -300,70 +271,6 @@ class Model:
         """A fresh :class:`~tiling.SeamStats` when the run of ``plan`` reports its seam, else
         ``None`` (:meth:`SeamPolicy.seam_stats`)."""
         return self.seams.seam_stats(plan)
-
-    def _tiled(
-        self,
-        x: npt.NDArray[np.float32],
-        plan: RunPlan,
-        reduce: Any,
-        out: Any,
-        progress: bool | Callable[[int], object],
-        should_stop: Callable[[], bool] | None = None,
-        resume: Resume | None = None,
-        seam: SeamStats | None = None,
-        replanned: Callable[[RunPlan], object] | None = None,
-    ) -> tuple[npt.NDArray[Any], RunPlan]:
-        """One tiled pass, retried smaller when the device runs out of memory
-        (:func:`models.planner.retry_smaller`); the result and the plan that made it."""
-
-        def once(p: RunPlan, r: Resume | None) -> npt.NDArray[Any]:
-            return self._tiled_once(x, p, reduce, out, progress, should_stop, r, seam)
-
-        return retry_smaller(once, plan, self.spec, self.predictor.device, resume=resume, replanned=replanned)
-
-    def _tiled_once(
-        self,
-        x: npt.NDArray[np.float32],
-        plan: RunPlan,
-        reduce: Any,
-        out: Any,
-        progress: bool | Callable[[int], object],
-        should_stop: Callable[[], bool] | None = None,
-        resume: Resume | None = None,
-        seam: SeamStats | None = None,
-    ) -> npt.NDArray[Any]:
-        """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
-        from tiling import tiled_inference
-
-        spec = self.spec
-        # Whole-image pool means are state on the predictor: one global-pooling run at a time.
-        with self._run_lock if self.context is not None else contextlib.nullcontext():
-            try:
-                if self.context is not None:
-                    self._prepare_context(self.context, x, plan)
-                result: npt.NDArray[Any] = tiled_inference(
-                    x,
-                    self.predictor,
-                    tile_shape=plan.grid.tile_shape,
-                    halo=plan.halo,
-                    overlap=plan.overlap,
-                    blend=plan.blend.value,
-                    alignment=spec.alignment,
-                    scale=spec.scale,
-                    batch_size=plan.batch_size,
-                    device=self.predictor.device,
-                    out=out,
-                    reduce=reduce,
-                    progress=progress,
-                    fixed_tile_shape=plan.grid.fixed_tile_shape,
-                    should_stop=should_stop,
-                    resume=resume,
-                    seam=seam,
-                )
-            finally:
-                if self.context is not None:
-                    self.context.clear_context()
-        return result
 
     def run(
         self,
@@ -391,19 +298,3 @@ class Model:
         x = self.preprocess(data)
         plan = self.plan(x.shape[1:], params, sample=x)
         return self.execute(x, plan, out=out, progress=progress)
-
-    def _prepare_context(self, context: PoolingContext, x: npt.NDArray[np.float32], plan: RunPlan) -> None:
-        """Whole-image pool means for a global-pooling model, before the tiled pass.
-
-        Pool means average feature maps whose reach is the whole receptive field: a halo
-        calibrated for the output truncates them (text-det-2d, halo 188: the neck's pool means
-        2 % off, the output 0.43 off). So an image of at most :attr:`CONTEXT_WHOLE_FACTOR` tiles'
-        voxels gets one whole-image pass (exact), and a larger one tile-by-tile passes with the
-        radius as halo (exact once tile > 2 * radius; else the largest halo the tile allows).
-        """
-        extent = aligned_extent(x.shape[1:], self.spec.alignment)
-        if math.prod(extent) <= self.CONTEXT_WHOLE_FACTOR * math.prod(plan.tile):
-            context.prepare_context(x, tile=None, halo=None)
-            return
-        halo = context_halo(plan.halo, self.receptive_field(), plan.tile)
-        context.prepare_context(x, tile=plan.tile, halo=halo, batch_size=plan.batch_size)
