@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-__all__ = ["WorkRoot", "sweep"]
+__all__ = ["WorkRoot", "pid_alive", "sweep"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def sweep(root: Path) -> int:
         except FileNotFoundError:
             # No lock file: a process that died between mkdir and lock (``.new-<pid>-...``).
             pid = folder.name.removeprefix(".new-").partition("-")[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(folder, ignore_errors=True)
                 removed += 1
         except OSError as exc:
@@ -105,7 +105,8 @@ def sweep(root: Path) -> int:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (signal 0; another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

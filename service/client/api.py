@@ -104,6 +104,33 @@ def _server_error(response: httpx.Response, body: bytes) -> ServerError:
     return ServerError(response.status_code, code, detail, retry_after)
 
 
+def save_answer(response: httpx.Response, dest: Path, abort: threading.Event | None) -> InferAnswer:
+    """Stream a 200 answer's body into ``dest`` (fsync'ed): its :class:`InferAnswer` (1 attempt).
+
+    Raises:
+        ServerError: the answer is not a 200 (its JSON error, when it has one).
+        Interrupted: ``abort`` was set while reading.
+    """
+    if response.status_code != 200:
+        raise _server_error(response, _read_error_body(response))
+    bytes_out = 0
+    _check(abort)
+    with dest.open("wb") as out:
+        for chunk in response.iter_bytes(_CHUNK_BYTES):
+            _check(abort)
+            out.write(chunk)
+            bytes_out += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return InferAnswer(
+        attempts=1,
+        bytes_out=bytes_out,
+        content_type=response.headers.get("content-type", ""),
+        filename=_disposition_filename(response.headers.get("content-disposition")),
+        format=response.headers.get("x-tilewise-format") or None,
+    )
+
+
 def _read_error_body(response: httpx.Response) -> bytes:
     """Up to 64 KiB of a streamed error answer."""
     body = b""
@@ -283,24 +310,7 @@ class TilewiseClient(JobsMixin):
                     with self._http.stream(
                         "POST", path, params=query, content=_file_chunks(fh, abort), headers=headers
                     ) as response:
-                        if response.status_code != 200:
-                            raise _server_error(response, _read_error_body(response))
-                        bytes_out = 0
-                        _check(abort)
-                        with dest.open("wb") as out:
-                            for chunk in response.iter_bytes(_CHUNK_BYTES):
-                                _check(abort)
-                                out.write(chunk)
-                                bytes_out += len(chunk)
-                            out.flush()
-                            os.fsync(out.fileno())
-                        return InferAnswer(
-                            attempts=1,
-                            bytes_out=bytes_out,
-                            content_type=response.headers.get("content-type", ""),
-                            filename=_disposition_filename(response.headers.get("content-disposition")),
-                            format=response.headers.get("x-tilewise-format") or None,
-                        )
+                        return save_answer(response, dest, abort)
             except httpx.TransportError as exc:
                 raise TransportFailure(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
 

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -36,7 +35,6 @@ __all__ = ["POLL_S", "JobsMixin"]
 
 #: Seconds between two status polls of a job.
 POLL_S = 0.5
-_CHUNK_BYTES = 1 << 20
 _FINISHED = ("done", "failed", "cancelled")
 
 
@@ -121,28 +119,12 @@ class JobsMixin:
         self, job_id: str, dest: Path, *, abort: threading.Event | None = None
     ) -> InferAnswer:
         """``GET /v1/jobs/{id}/result`` into ``dest`` (retried from the start; fsync'ed)."""
-        from service.client.api import InferAnswer, _disposition_filename, _read_error_body, _server_error
+        from service.client.api import save_answer
 
         def attempt() -> InferAnswer:
             try:
                 with self._http.stream("GET", f"{_job_path(job_id)}/result") as response:
-                    if response.status_code != 200:
-                        raise _server_error(response, _read_error_body(response))
-                    bytes_out = 0
-                    with dest.open("wb") as out:
-                        for chunk in response.iter_bytes(_CHUNK_BYTES):
-                            _check(abort)
-                            out.write(chunk)
-                            bytes_out += len(chunk)
-                        out.flush()
-                        os.fsync(out.fileno())
-                    return InferAnswer(
-                        attempts=1,
-                        bytes_out=bytes_out,
-                        content_type=response.headers.get("content-type", ""),
-                        filename=_disposition_filename(response.headers.get("content-disposition")),
-                        format=response.headers.get("x-tilewise-format") or None,
-                    )
+                    return save_answer(response, dest, abort)
             except httpx.TransportError as exc:
                 raise TransportFailure(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
 

@@ -13,20 +13,11 @@ from pathlib import Path, PurePosixPath
 
 from service.client.errors import OutputDirError
 from service.client.plan import inside
+from service.workdir import pid_alive
 
 __all__ = ["remove_stale_parts"]
 
 _PART_RE = re.compile(r"^\..+\.(\d+)-[0-9a-f]{8}\.part$")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_parts(output_dir: Path) -> int:
@@ -35,7 +26,7 @@ def remove_stale_parts(output_dir: Path) -> int:
     for dirpath, _, filenames in os.walk(output_dir):
         for name in filenames:
             match = _PART_RE.match(name)
-            if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+            if match and int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1))):
                 (Path(dirpath) / name).unlink(missing_ok=True)
                 removed += 1
     return removed

@@ -87,24 +87,57 @@ def seconds(value: str) -> int:
     return int(number) * units[unit]
 
 
+def _block(code: str, opening: str) -> str:
+    """The body of the block that starts with ``opening`` (up to its matching brace)."""
+    start = code.index(opening) + len(opening)
+    depth, i = 1, start
+    while depth:
+        depth += {"{": 1, "}": -1}.get(code[i], 0)
+        i += 1
+    return code[start : i - 1]
+
+
+INFER_LOCATION = "location ~ ^/v1/models/[^/]+/infer$ {"
+
+
 def test_nginx_conf_is_sized_for_1gb_volumes_and_safe_retries():
     text = NGINX_CONF.read_text()
     code = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    infer = _block(code, INFER_LOCATION)
+    outside = code.replace(infer, "")
     assert re.search(r"^\s*least_conn;", code, re.MULTILINE)
     assert size_bytes(directive(code, "client_max_body_size")[0]) >= 2**30
-    assert directive(code, "proxy_request_buffering") == ["off"]
+    assert directive(outside, "proxy_request_buffering") == ["off"]
     assert seconds(directive(code, "proxy_read_timeout")[0]) >= 600
     (server,) = directive(code, "server")
     assert "max_fails=" in server and "fail_timeout=" in server
-    (next_upstream,) = directive(code, "proxy_next_upstream")
-    # Safe cases only: nginx passes a POST on only while nothing of it was sent (no non_idempotent).
+    (next_upstream,) = directive(outside, "proxy_next_upstream")
+    # Outside synchronous inference, safe cases only: nginx passes a POST on only while nothing of
+    # it was sent (a job's upload creates the job: never replayed).
     assert {"error", "http_503"} <= set(next_upstream.split()), next_upstream
     assert set(next_upstream.split()) <= {"error", "timeout", "http_502", "http_503", "http_504"}, (
         next_upstream
     )
-    assert "non_idempotent" not in code, "a POST upload must never be replayed"
+    assert "non_idempotent" not in outside, "a job's upload must never be replayed"
     assert int(directive(code, "proxy_next_upstream_tries")[0]) >= 2
+    # Within the first minute only: a long inference that timed out is not started again elsewhere.
+    assert seconds(directive(code, "proxy_next_upstream_timeout")[0]) <= 120
     assert any("X-Request-ID" in d for d in directive(code, "proxy_set_header"))
+
+
+def test_synchronous_inference_is_buffered_and_replayed_on_the_next_instance():
+    """A pure function of its request: nginx holds the whole upload and can replay it, so that a
+    stopped or killed instance never turns it into a 502 while the other one is up."""
+    code = "\n".join(line.split("#", 1)[0] for line in NGINX_CONF.read_text().splitlines())
+    infer = _block(code, INFER_LOCATION)
+    assert directive(infer, "proxy_request_buffering") == ["on"]
+    (next_upstream,) = directive(infer, "proxy_next_upstream")
+    assert {"error", "timeout", "http_502", "http_503", "non_idempotent"} <= set(next_upstream.split())
+    assert directive(infer, "proxy_pass") == ["http://tilewise"]
+    # Only the inference route: the jobs route (it creates a job) stays outside it.
+    pattern = re.compile(INFER_LOCATION.split()[2])
+    assert pattern.search("/v1/models/tissue-3d/infer")
+    assert not pattern.search("/v1/jobs") and not pattern.search("/v1/models/tissue-3d")
 
 
 def test_dockerfiles_follow_the_contract():
