@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -39,7 +40,7 @@ from models.params import Blend, OutputKind, Tta
 from models.plan import RunPlan
 from models.sizing import Candidate, Sizer, batch_options, shrink_tile
 from models.spec import ModelSpec
-from tiling import TileGrid, aligned_extent, cap_halo, fits_one_tile
+from tiling import GridError, TileGrid, aligned_extent, cap_halo, fits_one_tile
 
 __all__ = [
     "HaloRule",
@@ -238,11 +239,22 @@ def size_plan(
             choice = fitted if fitted is not None else choice
     if choice is not None and verify is not None and choice.grid.tile_shape != tile:
         rule = verify(choice.grid.tile_shape)
-        if rule is None:
+        verified = None
+        if rule is not None:
+            try:
+                start_work = plan_grid(tile)[0].work  # under the starting tile's rule
+            except GridError:
+                start_work = math.inf
+            rules.append(rule)
+            verified = sizer.candidate(choice.grid.tile_shape, choice.batch_size)
+            # a grown tile whose own halo makes more work than the starting plan is not worth it
+            if verified is not None and source == "grown" and verified.work > start_work:
+                verified = None
+        if verified is None:
+            del rules[1:]
             choice, source = None, "given" if tile_given else "default"
         else:
-            rules.append(rule)
-            choice = sizer.candidate(choice.grid.tile_shape, choice.batch_size) or choice
+            choice = verified
     if choice is None:
         grid, halo = plan_grid(tile)
         return Sizing(grid.tile_shape, halo, batch_size, grid, source)

@@ -101,6 +101,75 @@ def test_a_small_calibrated_halo_keeps_the_requested_tile_where_it_is_cheap() ->
     assert grown.tile_source == "grown" and grown.grid.work <= WORK_TARGET and grown.grid.n_tiles <= 27
 
 
+def _calibration(halo: int, errors: dict[int, float], tolerance: float, floor: float = 0.0) -> object:
+    from models.receptive import HaloCalibration
+
+    return HaloCalibration(halo, errors[halo], tolerance, errors, errors[halo] <= tolerance, 0.0, "s", floor)
+
+
+def test_a_grown_tile_keeps_a_halo_no_worse_than_the_start() -> None:
+    """The halo a grown tile gets (models.calibration.AutoHalo.halo_no_worse_than)."""
+    from models.calibration import AutoHalo
+
+    def auto(halo: int, errors: dict[int, float], tolerance: float, floor: float = 0.0) -> AutoHalo:
+        return AutoHalo((halo,) * 3, (63,) * 3, "s", _calibration(halo, errors, tolerance, floor))
+
+    met = auto(6, {0: 0.1, 6: 5e-5, 47: 0.0}, 1e-4)
+    assert auto(8, {0: 0.1, 8: 9e-5, 63: 0.0}, 1e-4).halo_no_worse_than(met) == (8, 8, 8)
+    assert auto(63, {0: 0.1, 63: 2e-4}, 1e-4).halo_no_worse_than(met) is None  # errs more
+    # 1e-12 (never met): the rounding-level errors of two tiles are noise, and the grown tile gets
+    # the smallest halo within rounding, not its own largest (which would eat it again)
+    start = auto(47, {0: 0.1, 30: 3e-6, 47: 1.5e-8}, 1e-12, floor=1.5e-5)
+    grown = {0: 0.1, 20: 1e-3, 30: 4e-6, 47: 3e-8, 63: 4.5e-8}
+    assert auto(63, grown, 1e-12, floor=1.5e-5).halo_no_worse_than(start) == (30, 30, 30)
+    # without the floor: the halo whose error is within the start's own
+    coarse = auto(47, {0: 0.1, 47: 2e-3}, 1e-6)
+    assert auto(63, {0: 0.1, 20: 5e-3, 25: 1e-3, 63: 1e-3}, 1e-6).halo_no_worse_than(coarse) == (25, 25, 25)
+    assert auto(63, {0: 0.1, 63: 5e-3}, 1e-6).halo_no_worse_than(coarse) is None
+    assert AutoHalo((0,) * 3, (63,) * 3, "one tile").halo_no_worse_than(start) == (0, 0, 0)
+
+
+def test_a_grown_tile_whose_own_halo_costs_more_than_the_start_is_not_taken() -> None:
+    spec = _unet_spec()
+    rule = auto_halo_rule((40, 40, 40), (63, 63, 63), MNI, 16)
+    start = _size(spec, MNI, rule, default_budget=1 * GB)
+    assert start.tile_source == "grown"
+    grown_tile = start.tile
+
+    def verify_with(halo: int) -> object:
+        def verify(tile: tuple[int, ...]) -> object:
+            assert tile == grown_tile
+            return given_halo_rule((halo,) * 3)
+
+        return verify
+
+    kept = size_plan(*_args(spec, rule), **_kwargs(verify=verify_with(40), default_budget=1 * GB))
+    assert kept.tile_source == "grown" and kept.tile == grown_tile and kept.grid.work == start.grid.work
+    smaller = size_plan(*_args(spec, rule), **_kwargs(verify=verify_with(8), default_budget=1 * GB))
+    assert smaller.tile_source == "grown" and smaller.halo == (8, 8, 8)
+    assert smaller.grid.work <= start.grid.work
+    # a halo that leaves the grown tile a core of 16: more work than the 560 tiles at the limit
+    eaten_halo = (min(grown_tile) - 16) // 2
+    eaten = size_plan(*_args(spec, rule), **_kwargs(verify=verify_with(eaten_halo), default_budget=1 * GB))
+    assert eaten.tile_source == "given" and eaten.grid.n_tiles == 560
+    # a halo the grown tile cannot hold at all
+    none = size_plan(*_args(spec, rule), **_kwargs(verify=verify_with(10**6), default_budget=1 * GB))
+    assert none.tile_source == "given" and none.grid.n_tiles == 560
+
+
+def _args(spec: object, rule: object) -> tuple[object, ...]:
+    return (spec, MNI, (96,) * 3, rule, (0, 0, 0), Blend.CONSTANT, 1, OutputKind.PROBABILITIES, Tta.NONE)
+
+
+def _kwargs(**over: object) -> dict[str, object]:
+    base = {"fixed_tile_shape": True, "tile_given": True, "batch_given": False, "auto_halo": True,
+            "footprint": lambda: UNET, "memory_budget": None, "default_budget": lambda: 12 * GB}  # fmt: skip
+    default_budget = over.pop("default_budget", None)
+    if default_budget is not None:
+        base["default_budget"] = lambda: default_budget
+    return {**base, **over}
+
+
 def test_a_given_tile_with_a_given_halo_is_kept_whatever_it_costs() -> None:
     sized = _size(_unet_spec(), MNI, given_halo_rule((40, 40, 40)), auto=False)
     assert sized.tile_source == "given" and sized.grid.n_tiles == 560
