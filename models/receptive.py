@@ -23,8 +23,8 @@ import numpy.typing as npt
 import torch
 
 __all__ = [
-    "ROUNDING_ULPS",
     "HaloCalibration",
+    "ROUNDING_ULPS",
     "ReceptiveField",
     "calibrate_halo",
     "probe_input",
