@@ -28,7 +28,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cases",
         default=None,
-        help="comma-separated subset of: 3d,shallow,scaling,service,sweep,2d,instance",
+        help="comma-separated subset of: 3d,auto,shallow,memplan,prefetch,scaling,service,sweep,2d,instance",
     )
     p.add_argument(
         "--max-minutes",

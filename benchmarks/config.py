@@ -51,6 +51,10 @@ class Mode:
     prefetch_halo: int = 12
     prefetch_threads: int = 1  # network threads: on 2 cores, one is left for the reading thread
     prefetch_sleep_s: float = 0.2  # the simulated accelerator's time per tile (holds no CPU)
+    auto_spacing_mm: float = 1.0  # the auto case's MNI152 voxel size (the case: 1 mm)
+    auto_tile: int = 96  # its tile limit
+    auto_case_tolerances: tuple[float, ...] = (1e-4, 1e-12)  # met, and never met (the largest halo)
+    memplan_sizes: tuple[int, ...] = (64, 192, 384)
 
 
 FULL = Mode(
@@ -67,7 +71,7 @@ FULL = Mode(
     sweep_overlaps=(0.5, 0.75),
     auto_tolerances=(1e-3, 1e-5),
     shallow_tiles=(64, 96),
-    interleave_cases=("3d-batch",),
+    interleave_cases=("3d-batch", "auto"),
     scaling_sizes=(64, 128, 192, 256, 384),
     scaling_kinds=("memory", "disk", "monai"),
     scaling_tile=96,
@@ -75,7 +79,7 @@ FULL = Mode(
     tile2d=512,
     halo2d=64,
     # Cases in order of priority (--max-minutes skips what is left when time runs out).
-    cases=("3d", "shallow", "prefetch", "scaling", "service", "sweep", "instance", "2d"),
+    cases=("3d", "auto", "shallow", "memplan", "prefetch", "scaling", "service", "sweep", "instance", "2d"),
 )
 
 
@@ -100,11 +104,15 @@ QUICK = Mode(
     scaling_halo=8,
     tile2d=512,
     halo2d=64,
-    cases=("3d", "shallow", "scaling", "prefetch"),
+    cases=("3d", "auto", "shallow", "scaling", "prefetch"),
     prefetch_spacing_mm=2.5,
     prefetch_tile=48,
     prefetch_halo=6,
     prefetch_sleep_s=0.01,
+    auto_spacing_mm=3.0,
+    auto_tile=32,
+    auto_case_tolerances=(1e-4,),
+    memplan_sizes=(64,),
 )
 
 

@@ -117,22 +117,45 @@ def make_runner(
         return run, warm_tile
 
     if kind == "model-run":
-        from models.params import InferenceParams
+        from models.params import InferenceParams, parse_params
         from models.repository import ModelRepository
 
         model = ModelRepository(job["models_dir"], device="cpu").get(job["model_name"])
         model.predictor = CountingProxy(model.predictor, predictor)  # the work column counts its tiles
-        options = InferenceParams(
-            tile=job.get("model_tile"), halo="auto", halo_tolerance=float(job.get("tolerance", 1e-4))
-        )
+        if "params" in job:  # the product's parameters as a query would give them
+            options = parse_params(job["params"])
+        else:
+            options = InferenceParams(
+                tile=job.get("model_tile"), halo="auto", halo_tolerance=float(job.get("tolerance", 1e-4))
+            )
 
         def run() -> Any:
             return model.run(data, options)
 
-        def warm() -> None:  # probe the receptive field and calibrate the halo (both cached)
+        def warm() -> None:  # footprint, receptive field and calibrated halos (all cached), the plan
             x = model.preprocess(np.asarray(data))
             plan = model.plan(x.shape[1:], options, sample=x)
-            meta["plan"] = {"tile": list(plan.tile), "halo": list(plan.halo)}
+            meta["plan"] = {
+                "tile": list(plan.grid.used_tile_shape),
+                "halo": list(plan.halo),
+                "tiles": plan.n_tiles,
+                "work": round(plan.work, 3),
+                "tile_source": plan.tile_source,
+                "halo_source": plan.halo_source,
+                "batch_size": plan.batch_size,
+            }
+            v1 = job.get("v1_tile")
+            if v1 is not None:  # what the plan was before issue 15: the calibrated halo at the limit
+                from tiling import TileGrid, cap_halo
+
+                tile = (int(v1),) * (x.ndim - 1)
+                align = model.spec.alignment
+                want = model.calibrator.cached(tile, options.halo_tolerance or 1e-4)
+                if want is not None:
+                    halo = cap_halo((want.halo,) * len(tile), model.receptive_field(), tile, align)
+                    old = TileGrid.plan(x.shape[1:], tile, halo, alignment=align, fixed_tile_shape=True)
+                    v1_plan = {"halo": list(halo), "tiles": old.n_tiles, "work": round(old.work, 3)}
+                    meta["plan"]["v1"] = v1_plan
 
         return run, warm
 

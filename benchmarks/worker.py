@@ -167,6 +167,11 @@ def worker_main(job_path: str) -> int:
     if job["kind"] == "inprocess":
         print(RESULT_PREFIX + json.dumps(worker_inprocess(job)), flush=True)
         return 0
+    if job["kind"] == "memplan":
+        from benchmarks.memplan import worker_memplan
+
+        print(RESULT_PREFIX + json.dumps(worker_memplan(job)), flush=True)
+        return 0
     predictor, meta = build_predictor(job["model"], job)
     data = load_data(job)
     run, warm = make_runner(job, predictor, data, meta)

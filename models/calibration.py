@@ -12,13 +12,15 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
+from models.errors import InputError
+from models.planner import HaloRule, auto_halo_rule
 from models.preprocess import make_reduce
 from models.receptive import (
     HaloCalibration,
@@ -28,9 +30,9 @@ from models.receptive import (
     probe_receptive_field,
 )
 from models.spec import ModelSpec
-from tiling.plan import calibration_margin, round_up
+from tiling.plan import calibration_margin, fits_one_tile, round_up
 
-__all__ = ["HaloCalibrator", "sample_fingerprint"]
+__all__ = ["AutoHalo", "HaloCalibrator", "sample_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,39 @@ _MAX_PROBE = {1: 8192, 2: 1024, 3: 96}
 _HALO_CACHE_SIZE = 64
 #: Points per axis of the strided subsample that a sample's fingerprint hashes.
 _FINGERPRINT_POINTS = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AutoHalo:
+    """``halo="auto"`` for one tile: the halo wanted, the radius, what it came from, and the
+    calibration's verdict (``None`` when nothing was calibrated: one tile, or a dry run)."""
+
+    want: tuple[int, ...]
+    radius: tuple[int, ...]
+    source: str
+    calibration: HaloCalibration | None = None
+
+    def halo_no_worse_than(self, other: AutoHalo) -> tuple[int, ...] | None:
+        """The halo this tile gets when it replaces ``other``'s tile (a tile grown for the halo),
+        or ``None`` when it errs more at every halo.
+
+        When ``other`` met the tolerance, this tile's calibrated halo if it meets it too. When
+        neither could (a tolerance below what any halo reaches), the smallest halo of this tile
+        whose error is within ``other``'s, or within float32 rounding
+        (:attr:`~models.receptive.HaloCalibration.floor`): comparing two errors at the rounding
+        level compares noise (the benchmarks' U-Net at 1e-12: 1.5e-8 on 96^3 tiles, 4.5e-8 on a
+        tile grown to 208x176x192, both within a few units in the last place), and the largest
+        halo of the larger tile would eat it again (halo 63 on 176: five tiles along that axis
+        where halo 47 made two). Unknown (nothing calibrated) counts as fine: the wanted halo.
+        """
+        mine, theirs = self.calibration, other.calibration
+        if mine is None or mine.met:
+            return self.want
+        if theirs is None or theirs.met:
+            return None
+        within = max(theirs.error, theirs.floor, mine.floor)
+        fine = [h for h, error in sorted(mine.errors.items()) if error <= within]
+        return (fine[0],) * len(self.want) if fine else None
 
 
 def sample_fingerprint(x: npt.NDArray[Any]) -> str:
@@ -154,6 +189,87 @@ class HaloCalibrator:
             bounded = bounded and result.radius[axis] < min(shape[axis] // 2 - 1, size // 2 - 1)
             seconds += result.seconds
         return ReceptiveField(tuple(radius), (long,) * ndim, bounded, seconds)
+
+    def auto_halo(
+        self,
+        shape: tuple[int, ...],
+        tile: tuple[int, ...],
+        tolerance: float,
+        sample: npt.NDArray[np.float32] | None,
+        calibrate: bool = True,
+    ) -> AutoHalo:
+        """``halo="auto"`` for tiles of ``tile`` on an image of ``shape``.
+
+        Each tile gets the wanted halo capped by the radius and by what the tile allows
+        (:func:`models.planner.auto_halo_rule`). The wanted halo is the one calibrated on
+        ``sample`` (the preprocessed ``(C_in, *shape)`` image) for ``tile``: the smallest within
+        the tolerance, else the largest the calibration could try (about half the tile; a larger
+        tile grown for it keeps that halo rather than the whole radius, which would eat it again).
+        Without ``calibrate`` (a dry run: no forward pass), the halo last calibrated for this tile
+        and tolerance on any sample, else the known radius, else 0.
+
+        Raises:
+            InputError: ``sample`` is not the preprocessed image.
+        """
+        ndim = len(tile)
+        if fits_one_tile(shape, tile, self.spec.alignment):
+            return AutoHalo((0,) * ndim, self.known_radius or (0,) * ndim, "one tile")
+        if not calibrate:
+            radius = self.known_radius
+            cached = self.cached(tile, tolerance)
+            if cached is not None and radius is not None:
+                return AutoHalo((cached.halo,) * ndim, radius, f"dry run: {cached.sample}", cached)
+            if radius is not None:
+                return AutoHalo(radius, radius, "dry run: receptive field (not calibrated)")
+            return AutoHalo((0,) * ndim, (0,) * ndim, "dry run: unknown receptive field")
+        if sample is not None:
+            if sample.shape[0] != self.spec.in_channels or tuple(sample.shape[1:]) != shape:
+                raise InputError(
+                    f"model {self.spec.name!r}: the calibration sample must be the preprocessed "
+                    f"({self.spec.in_channels}, *{shape}) image, got {tuple(sample.shape)}"
+                )
+            # the image itself is the sample, zero-padded (as tiling pads) where smaller than a tile
+            grow = [(0, 0)] + [(0, max(0, t - s)) for s, t in zip(shape, tile, strict=True)]
+            sample = np.pad(sample, grow) if any(g[1] for g in grow) else sample
+        calibration = self.calibrate(tile, tolerance, sample)
+        return AutoHalo((calibration.halo,) * ndim, self.receptive_field(), calibration.sample, calibration)
+
+    def auto_rules(
+        self,
+        shape: tuple[int, ...],
+        tile: tuple[int, ...],
+        tolerance: float,
+        sample: npt.NDArray[np.float32] | None,
+        calibrate: bool = True,
+    ) -> tuple[HaloRule, Callable[[tuple[int, ...]], HaloRule | None], str]:
+        """``halo="auto"`` for the planner: the halo rule of ``tile``, a check of another tile
+        (calibrated there too, and kept only if it errs no more than ``tile``: some networks are
+        exact only at some tile sizes), and where the halo came from."""
+        align = self.spec.alignment
+        start = self.auto_halo(shape, tile, tolerance, sample, calibrate)
+
+        def verify(other: tuple[int, ...]) -> HaloRule | None:
+            grown = self.auto_halo(shape, other, tolerance, sample, calibrate)
+            want = grown.halo_no_worse_than(start)
+            if want is None:
+                logger.info("model %s: tile %s errs more than %s at its halo", self.spec.name, other, tile)
+                return None
+            if want != grown.want:
+                logger.info("model %s: tile %s gets halo %s (no worse than %s at halo %s)",
+                            self.spec.name, other, want, tile, start.want)  # fmt: skip
+            return auto_halo_rule(want, grown.radius, shape, align)
+
+        return auto_halo_rule(start.want, start.radius, shape, align), verify, start.source
+
+    def cached(self, tile: Sequence[int], tolerance: float) -> HaloCalibration | None:
+        """The halo most recently calibrated for ``tile`` and ``tolerance`` on any sample, or
+        ``None`` (what a dry run reports without running the network)."""
+        tile_t = tuple(int(t) for t in tile)
+        with self._lock:
+            for (t, tol, _), result in reversed(self._halos.items()):
+                if t == tile_t and tol == float(tolerance):
+                    return result
+        return None
 
     def calibrate(
         self, tile: Sequence[int], tolerance: float, sample: npt.NDArray[np.float32] | None = None

@@ -1,53 +1,72 @@
-"""What one run of a plan costs, from the plan alone (integer arithmetic, no data).
+"""What one run of a plan costs, from the plan and the network's measured footprint (no data).
 
 The service refuses a request whose plan costs more than its limits before anything runs
-(``service.budget``); a dry run can report the same figures.
+(``service.budget``); the planner keeps plans within ``TILEWISE_MEMORY_BUDGET``
+(:mod:`models.sizing`); a dry run reports the same figures.
 
-Memory, worked out for a 3D model with ``C_in`` input and ``C_out`` output channels on an image of
-``V`` voxels (output ``V_out``), batch ``B`` of tiles of ``T`` voxels (outputs ``T_out``)::
+Memory, worked out for an image of ``V`` voxels (output ``V_out``), ``C_in`` input and ``C_out`` output
+channels, batch ``B`` of tiles of ``T`` voxels (outputs ``T_out``), ``F`` the network's working memory
+(:meth:`models.footprint.Footprint.working_bytes`, measured at warm-up: activations, scratch and the
+batch's prediction)::
 
-    preprocessed input      4 * C_in * V
-    batch buffers           2 * 4 * B * C_in * T            (two with the prefetch thread)
-    one batch's prediction  4 * B * C_out * T_out
-    the network's work      4 * A * B * C_in * T             (activations, padding, temporaries)
-    accumulator (overlap)   4 * C_out * T_out[0] * prod(out_shape[1:])   (one slab of rows)
+    preprocessed input      4 * C_in * V        (0 when the decoded input is float32 and unchanged)
+    batch buffers           2 * 4 * B * C_in * T                 (two with the prefetch thread)
+    the network             F(T, B)
+    accumulator (overlap)   4 * C_out * T_out[0] * prod(out_shape[1:])   (one slab of tile rows)
     output                  4 * C_out * V_out (probabilities) or V_out (uint8 labels)
     tta=mirror              + 4 * C_in * V (a flipped copy) + 2 * 4 * C_out * V_out (sum, pass)
 
-``A`` (:data:`ACTIVATIONS`, 24) is an allowance for what the network holds while it runs, in copies
-of its input batch: measured peak RSS rises of the built-in analytic networks were about 22 copies
-(``gaussian-3d``, batch 32 of 64^3: 711 MiB). A deep network may hold more; the figure is an
-estimate, checked against ``TILEWISE_MAX_REQUEST_BYTES`` before a request runs.
+The request adds the decoded input itself (``input_bytes``). E.g. ``gaussian-3d`` (73 B per voxel
+measured at batch 2) on 192^3 with its default tile 64 and batch 2: 28 MB decoded, no copy, 4 MB of
+buffers, 38 MB for the network, 28 MB out: about 98 MB (measured: within 25 %, see
+``tests/models/test_cost_accuracy.py``).
 
-E.g. ``gaussian-3d`` on 256^3 with tile 96 and batch 2: 67 MB in, 14 MB of buffers, 7 MB of
-prediction, 170 MB for the network, 67 MB out: about 325 MB.
+Time: :meth:`~models.footprint.Footprint.seconds` of the plan's forward passes and voxels (network
+time only: reading, merging and encoding are left out).
 """
 
 from __future__ import annotations
 
 import math
 
+from models.footprint import Footprint
 from models.params import OutputKind
 from models.plan import RunPlan
 
-__all__ = ["ACTIVATIONS", "peak_bytes"]
+__all__ = ["network_seconds", "peak_bytes"]
 
 _F32 = 4
-#: Copies of the input batch the network is allowed to hold while it runs (see above).
-ACTIVATIONS = 24
 
 
-def peak_bytes(plan: RunPlan, in_channels: int, out_channels: int) -> int:
-    """Bytes a run of ``plan`` holds at its peak, beyond the network's activations (see above)."""
+def peak_bytes(
+    plan: RunPlan,
+    in_channels: int,
+    out_channels: int,
+    footprint: Footprint | None = None,
+    *,
+    input_bytes: int = 0,
+    copies_input: bool = True,
+) -> int:
+    """Bytes a run of ``plan`` holds at its peak (see the module docstring).
+
+    Args:
+        plan: the plan.
+        in_channels, out_channels: the model's channels.
+        footprint: the network's measured footprint (default: :meth:`Footprint.estimate`).
+        input_bytes: the decoded input's bytes, held beside the run.
+        copies_input: whether preprocessing makes a float32 copy of the input (``False`` when the
+            decoded input is float32 and the spec has no preprocessing step).
+    """
+    fp = footprint or Footprint.estimate(in_channels)
     grid = plan.grid
     voxels = math.prod(plan.spatial_shape)
     out_voxels = math.prod(grid.out_shape)
     batch = min(plan.batch_size, grid.n_tiles)
     tile = math.prod(grid.used_tile_shape)
-    out_tile = math.prod(grid.out_tile_shape)
-    total = _F32 * in_channels * voxels
-    total += (2 + ACTIVATIONS) * _F32 * batch * in_channels * tile
-    total += _F32 * batch * out_channels * out_tile
+    total = int(input_bytes)
+    total += _F32 * in_channels * voxels if copies_input else 0
+    total += 2 * _F32 * batch * in_channels * tile
+    total += fp.working_bytes(tile, batch)
     if grid.blended:
         total += _F32 * out_channels * grid.out_tile_shape[0] * math.prod(grid.out_shape[1:])
     labels = plan.output == OutputKind.LABELS
@@ -55,3 +74,11 @@ def peak_bytes(plan: RunPlan, in_channels: int, out_channels: int) -> int:
     if len(plan.flips) > 1:
         total += _F32 * in_channels * voxels + 2 * _F32 * out_channels * out_voxels
     return int(total)
+
+
+def network_seconds(plan: RunPlan, footprint: Footprint) -> float:
+    """Predicted network time of ``plan`` (every ``tta`` pass), from the measured throughput."""
+    grid = plan.grid
+    passes = -(-grid.n_tiles // max(1, plan.batch_size)) * len(plan.flips)
+    voxels = plan.n_tiles * math.prod(grid.used_tile_shape)
+    return footprint.seconds(passes, voxels)

@@ -278,11 +278,13 @@ def run_mapped(
     affine: npt.ArrayLike | None,
     params: InferenceParams | None = None,
     *,
-    check: Callable[[RunPlan, int], None] | None = None,
+    check: Callable[..., None] | None = None,
     start: Callable[[RunPlan], tuple[Any, Resume]] | None = None,
     progress: bool | Callable[[int], object] = False,
     should_stop: Callable[[], bool] | None = None,
     tiled: TiledPass | None = None,
+    memory_budget: int | None = None,
+    input_bytes: int = 0,
 ) -> MappedRun:
     """Map ``data`` onto the model's grid, preprocess, plan once, run, and map the output back.
 
@@ -294,8 +296,9 @@ def run_mapped(
         data: ``(C, *S)`` the input, any numeric dtype, ``len(S) == model.spec.spatial_dims``.
         affine: its ``(4, 4)`` voxel-to-world affine, or ``None`` (PNG, TIFF: native grid).
         params: the request's parameters (``spacing=native``: no resampling).
-        check: called with the plan and the bytes the mapping and the seam meter add
-            (:meth:`GridMapping.extra_bytes`) before the network sees a tile (the server's budget).
+        check: called with the plan, the bytes the mapping and the seam meter add
+            (:meth:`GridMapping.extra_bytes`) and whether preprocessing copied the input, before
+            the network sees a tile (the server's budget).
         start: called with the plan the network runs (on the model grid: its ``output`` is
             ``probabilities`` when the mapping resamples) for the ``out`` array and the
             :class:`tiling.Resume` that continue a stopped run (a job's checkpoint).
@@ -303,6 +306,8 @@ def run_mapped(
         tiled: run each tiled pass elsewhere (:class:`models.model.TiledPass`, e.g. on a Dask
             cluster) instead of in this process; everything before and after it is the same. No
             seam is measured then (``seam`` is ``None``), and ``start`` must be ``None``.
+        memory_budget, input_bytes: the budget the plan is sized within and the decoded input's
+            bytes held beside the run (:meth:`Model.plan`).
 
     Raises:
         InputError: the input does not fit the model (``GeometryError`` for its geometry).
@@ -312,7 +317,11 @@ def run_mapped(
     spec = model.spec
     mapping = plan_mapping(data, affine, spec, native=p.spacing == Spacing.NATIVE)
     x = model.preprocess(mapping.to_model(data))
-    plan = model.plan(x.shape[1:], p, sample=x)
+    copies = not np.shares_memory(x, data)
+    wants_labels = (p.output or spec.defaults.output) == OutputKind.LABELS
+    held = input_bytes + mapping.extra_bytes(spec.out_channels, labels=wants_labels)
+    budgeted = {"memory_budget": memory_budget, "input_bytes": held, "copies_input": copies}
+    plan = model.plan(x.shape[1:], p, sample=x, **budgeted)
     seam = model.seam_stats(plan) if tiled is None else None
     if check is not None:
         labels = plan.output == OutputKind.LABELS
@@ -320,13 +329,15 @@ def run_mapped(
         if seam is not None:  # the meter's running sum and count over one row of tiles
             grid = plan.grid
             extra += 4 * (spec.out_channels + 1) * grid.out_tile_shape[0] * math.prod(grid.out_shape[1:])
-        check(plan, extra)
+        check(plan, extra, copies)
     executed = plan if mapping.is_identity else dataclasses.replace(plan, output=OutputKind.PROBABILITIES)
     out, resume = start(executed) if start is not None else (None, None)
+    ran = [executed]  # a smaller plan after the device ran out of memory
     pred = model.execute(
         x, executed, out=out, resume=resume, progress=progress, should_stop=should_stop, seam=seam,
-        tiled=tiled,
+        tiled=tiled, replanned=ran.append,
     )  # fmt: skip
+    plan = dataclasses.replace(ran[-1], output=plan.output)
     if mapping.is_identity:
         return MappedRun(pred, plan, mapping, seam)
     del x

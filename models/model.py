@@ -2,13 +2,14 @@
 
 ``Model.run(data, params)`` is ``preprocess`` + ``plan`` + ``execute``; the service calls the three
 steps itself so that the one :class:`~models.RunPlan` also feeds its metrics and response headers.
+The plan's tile and batch size are sized by :mod:`models.planner` from the network's
+:class:`~models.footprint.Footprint` (measured once, at warm-up); a run that runs out of device
+memory halves the batch, then the tile, and runs again (:meth:`Model.execute`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,13 +21,16 @@ import numpy.typing as npt
 from models.backends import BasePredictor, PoolingContext
 from models.calibration import HaloCalibrator
 from models.errors import InputError
+from models.execute import execute_plan
+from models.footprint import Footprint, footprint_of
 from models.params import Blend, InferenceParams, OutputKind
 from models.plan import RunPlan
-from models.preprocess import make_reduce, preprocess
+from models.planner import default_memory_budget, given_halo_rule, size_plan
+from models.preprocess import preprocess
 from models.receptive import HaloCalibration
 from models.seams import SeamPolicy
 from models.spec import ModelSpec
-from tiling import Resume, SeamStats, TileGrid, aligned_extent, cap_halo, context_halo, fits_one_tile
+from tiling import Resume, SeamStats
 from tiling.geometry import as_ints
 
 __all__ = ["Model", "TiledPass"]
@@ -66,17 +70,15 @@ class Model:
         seams: its tile dependence (spec or probe), seam measurement and halo warnings.
     """
 
-    #: Global-pooling models: images of at most this many tiles' voxels get their pool means from
-    #: one whole-image pass (exact and fastest; memory up to this many tiles' worth).
-    CONTEXT_WHOLE_FACTOR = 4
-
     def __init__(self, spec: ModelSpec, predictor: BasePredictor) -> None:
         self.spec = spec
         self.predictor = predictor
         self.calibrator = HaloCalibrator(spec, predictor)
         self.context = predictor if isinstance(predictor, PoolingContext) else None
-        self._run_lock = threading.Lock()
+        self.run_lock = threading.Lock()  # global pooling: one run at a time (models.execute)
         self.seams = SeamPolicy(spec, predictor, self.calibrator)
+        self._footprint_lock = threading.Lock()
+        self._footprint: Footprint | None = None
 
     def __repr__(self) -> str:
         return (
@@ -102,6 +104,26 @@ class Model:
         """Receptive-field radius per axis (voxels): from the spec, else probed once."""
         return self.calibrator.receptive_field()
 
+    @property
+    def known_footprint(self) -> Footprint | None:
+        """The network's measured :class:`~models.footprint.Footprint`, or ``None`` before
+        :meth:`footprint` ran."""
+        with self._footprint_lock:
+            return self._footprint
+
+    def footprint(self) -> Footprint:
+        """Memory and time per voxel of a forward pass, measured once (eight forward passes of
+        synthetic tiles: the spec's default tile, at most 128^3, and half of it, at batch 1 and 2+).
+
+        Measure it at warm-up, before requests run: the memory measured is the process's own (see
+        :mod:`models.footprint`).
+        """
+        with self._footprint_lock:
+            if self._footprint is None:
+                self._footprint = footprint_of(self.spec, self.predictor)
+                logger.info("model %s: footprint %s", self.spec.name, self._footprint.describe())
+            return self._footprint
+
     def calibrate(
         self, tile: Sequence[int], tolerance: float, sample: npt.NDArray[np.float32] | None = None
     ) -> HaloCalibration:
@@ -118,14 +140,34 @@ class Model:
         params: InferenceParams | None = None,
         *,
         sample: npt.NDArray[np.float32] | None = None,
+        memory_budget: int | None = None,
+        footprint: Footprint | None = None,
+        calibrate: bool = True,
+        input_bytes: int = 0,
+        copies_input: bool = True,
     ) -> RunPlan:
         """Resolve ``params`` against the spec's defaults and plan the tile grid, once per request.
+
+        Tile and batch size are sized by :func:`models.planner.size_plan`: a tile whose halo leaves
+        the network more than 2.4 voxels per input voxel grows (within the memory budget), and
+        ``memory_budget`` picks the tile and batch the request does not give.
 
         Args:
             spatial_shape: spatial shape of the *preprocessed* input (voxels).
             params: the request's parameters (``None`` fields: the spec's defaults).
             sample: the preprocessed ``(C_in, *spatial)`` image, on which ``halo="auto"`` is
                 calibrated (default: a synthetic sample).
+            memory_budget: bytes the run may hold (``TILEWISE_MEMORY_BUDGET``); ``None``: the
+                spec's tile and batch, grown only where the halo eats the tile, within half the
+                machine's (or GPU's) memory.
+            footprint: the network's footprint to cost plans with (default: :meth:`footprint`,
+                measured now if it was not).
+            calibrate: ``False`` plans without running the network (a dry run): ``halo="auto"``
+                takes the halo last calibrated for this tile and tolerance, else the known
+                receptive-field radius, else 0.
+            input_bytes, copies_input: the decoded input held beside the run, and whether
+                preprocessing copies it (what the budget counts besides the plan;
+                :func:`models.cost.peak_bytes`).
 
         Raises:
             InputError: ``spatial_shape`` or ``sample`` does not fit the model.
@@ -133,6 +175,7 @@ class Model:
         """
         spec = self.spec
         p = (params or InferenceParams()).merged(spec.defaults)
+        given = params.model_fields_set if params is not None else set()
         shape = tuple(int(s) for s in spatial_shape)
         ndim = spec.spatial_dims
         if len(shape) != ndim:
@@ -142,66 +185,51 @@ class Model:
         tile = as_ints(p.tile, ndim, "tile", minimum=1)
         overlap = as_ints(p.overlap, ndim, "overlap", minimum=0)
         blend = p.blend
-        if p.halo == "auto" and self.is_tile_dependent():
+        auto, verify = p.halo == "auto", None
+        if auto and self.is_tile_dependent():
             # no halo reproduces the whole image: no search, the blended default plan
-            given = params.model_fields_set if params is not None else set()
-            halo, source = (0,) * ndim, "tile-dependent"
+            halo_of, source = given_halo_rule((0,) * ndim), "tile-dependent"
             if "overlap" not in given and not any(overlap):
                 overlap = tuple(t // 2 for t in tile)  # nnU-Net's half a tile
             if "blend" not in given and blend == Blend.CONSTANT:
                 blend = Blend.GAUSSIAN
-        elif p.halo == "auto":
+        elif auto:
             assert p.halo_tolerance is not None
-            halo, source = self._auto_halo(shape, tile, p.halo_tolerance, sample)
+            tolerance = p.halo_tolerance
+            halo_of, verify, source = self.calibrator.auto_rules(shape, tile, tolerance, sample, calibrate)
         else:
-            halo, source = as_ints(p.halo, ndim, "halo", minimum=0), "given"
-        grid = TileGrid.plan(
+            halo_of, source = given_halo_rule(as_ints(p.halo, ndim, "halo", minimum=0)), "given"
+        dependent = bool(self.known_tile_dependent)
+        sized = size_plan(
+            spec,
             shape,
             tile,
-            halo,
-            overlap=overlap,
-            alignment=spec.alignment,
-            scale=spec.scale,
-            blend=blend.value,
-            # A calibrated halo is an estimate from sampled tiles; the fixed-shape plan keeps the
-            # margins it was calibrated with (text-det-2d's calibrated halo 61 errs by 0.023 with
-            # tiles sized to the grid). A tile-dependent network's output depends on the tile it
-            # sees, so its plans hold at the tile size they were measured at (brain-mask-3d, 192^3
-            # tiles over its 256^3 frame: Dice 0.98 against the whole pass; sized to 160^3, 0.966),
-            # and it sees the patch shape it was trained on, as in nnU-Net's and MONAI's windows.
-            fixed_tile_shape=p.halo == "auto" or bool(self.known_tile_dependent),
+            halo_of,
+            overlap,
+            blend,
+            p.batch_size,
+            p.output,
+            p.tta,
+            fixed_tile_shape=auto or dependent,  # why: models.planner's docstring
+            tile_dependent=dependent,
+            tile_given="tile" in given and params is not None and params.tile is not None,
+            batch_given="batch_size" in given and params is not None and params.batch_size is not None,
+            auto_halo=auto,
+            footprint=(lambda: footprint) if footprint is not None else self.footprint,
+            memory_budget=memory_budget,
+            default_budget=lambda: default_memory_budget(self.predictor.device),
+            verify=verify,
+            input_bytes=input_bytes,
+            copies_input=copies_input,
         )
-        warning = self.seams.halo_warning(grid, halo) if source == "given" else None
+        warning = self.seams.halo_warning(sized.grid, sized.halo) if source == "given" else None
         plan = RunPlan(
-            spec.name, shape, tile, halo, overlap, blend, p.batch_size, p.output, source, grid, p.tta,
-            warning=warning, mirror_axes=spec.mirror_axes,
+            spec.name, shape, sized.tile, sized.halo, overlap, blend, sized.batch_size, p.output, source,
+            sized.grid, p.tta, warning=warning, mirror_axes=spec.mirror_axes, tile_source=sized.tile_source,
         )  # fmt: skip
-        logger.info("model %s: plan %s (halo from %s)", spec.name, plan.header(), source)
+        logger.info("model %s: plan %s (halo from %s, tile %s)", spec.name, plan.header(), source,
+                    sized.tile_source)  # fmt: skip
         return plan
-
-    def _auto_halo(
-        self,
-        shape: tuple[int, ...],
-        tile: tuple[int, ...],
-        tolerance: float,
-        sample: npt.NDArray[np.float32] | None,
-    ) -> tuple[tuple[int, ...], str]:
-        """``halo="auto"``: calibrated on ``sample``, capped by the radius and the alignment."""
-        align = self.spec.alignment
-        if fits_one_tile(shape, tile, align):
-            return (0,) * len(tile), "one tile"  # one tile covers the image: no seam to protect
-        if sample is not None:
-            if sample.shape[0] != self.spec.in_channels or tuple(sample.shape[1:]) != shape:
-                raise InputError(
-                    f"model {self.spec.name!r}: the calibration sample must be the preprocessed "
-                    f"({self.spec.in_channels}, *{shape}) image, got {tuple(sample.shape)}"
-                )
-            # the image itself is the sample, zero-padded (as tiling pads) where smaller than a tile
-            grow = [(0, 0)] + [(0, max(0, t - s)) for s, t in zip(shape, tile, strict=True)]
-            sample = np.pad(sample, grow) if any(g[1] for g in grow) else sample
-        calibration = self.calibrate(tile, tolerance, sample)
-        halo = cap_halo((calibration.halo,) * len(tile), self.receptive_field(), tile, align)
-        return halo, calibration.sample
 
     def execute(
         self,
@@ -214,8 +242,15 @@ class Model:
         resume: Resume | None = None,
         seam: SeamStats | None = None,
         tiled: TiledPass | None = None,
+        replanned: Callable[[RunPlan], object] | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
+
+        When the device runs out of memory (:class:`~models.errors.DeviceOutOfMemoryError`), the
+        pass runs again from its start with half the batch, then half the tile,
+        until it fits or neither can shrink; ``replanned`` is told each smaller plan, and the
+        passes after it use that plan. A local network with a halo at its receptive field gives
+        the same output with any tile and batch.
 
         With ``tta=mirror`` the plan runs once per flip of the spec's ``mirror_axes`` and the
         probabilities (or, with ``output.tta_average: logits``, the logits, as nnU-Net does) are
@@ -249,44 +284,12 @@ class Model:
         if tiled is not None and (resume is not None or seam is not None):
             raise ValueError("a tiled pass elsewhere (tiled=) takes neither resume nor seam")
         start = time.perf_counter()
-        labels = plan.output == OutputKind.LABELS
-
-        def one_pass(x: npt.NDArray[np.float32], reduce: Any, target: Any, resume: Any) -> npt.NDArray[Any]:
-            if tiled is None:
-                return self._tiled(x, plan, reduce, target, progress, should_stop, resume, seam)
-            y = tiled(self, x, plan, reduce, progress=progress, should_stop=should_stop)
-            if target is None:
-                return y
-            target[...] = y
-            return target  # type: ignore[no-any-return]
-
-        if len(plan.flips) == 1:
-            target = out[None] if out is not None and labels else out
-            reduce = make_reduce(spec.activation, plan.output.value)
-            result = one_pass(x, reduce, target, resume)
-        else:  # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
-            logits = spec.output.tta_average == "logits"
-            per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
-            total: npt.NDArray[np.float32] | None = None
-            for axes in plan.flips:
-                dims = tuple(1 + a for a in axes)
-                flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-                y = one_pass(flipped, per_pass, None, None)
-                y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
-                total = y.copy() if total is None else total + y
-            assert total is not None
-            result = total / np.float32(len(plan.flips))
-            reduce = make_reduce(spec.activation if logits else "none", plan.output.value)
-            if reduce is not None:
-                import torch
-
-                result = reduce(torch.from_numpy(result)).numpy()
-            if out is not None:
-                out[...] = result[0] if labels else result
+        run = {"progress": progress, "should_stop": should_stop, "resume": resume, "seam": seam}
+        result, plan = execute_plan(self, x, plan, out=out, replanned=replanned, tiled=tiled, **run)
         logger.info("model %s: %s in %.2f s", spec.name, plan.header(), time.perf_counter() - start)
         if out is not None:
             return out
-        if labels:
+        if plan.output == OutputKind.LABELS:
             first: npt.NDArray[Any] = np.asarray(result)[0]
             return first
         return np.asarray(result, dtype=np.float16 if spec.output_dtype == "float16" else np.float32)
@@ -295,50 +298,6 @@ class Model:
         """A fresh :class:`~tiling.SeamStats` when the run of ``plan`` reports its seam, else
         ``None`` (:meth:`SeamPolicy.seam_stats`)."""
         return self.seams.seam_stats(plan)
-
-    def _tiled(
-        self,
-        x: npt.NDArray[np.float32],
-        plan: RunPlan,
-        reduce: Any,
-        out: Any,
-        progress: bool | Callable[[int], object],
-        should_stop: Callable[[], bool] | None = None,
-        resume: Resume | None = None,
-        seam: SeamStats | None = None,
-    ) -> npt.NDArray[Any]:
-        """One tiled pass of ``plan`` over ``x`` (with the whole-image pool means when needed)."""
-        from tiling import tiled_inference
-
-        spec = self.spec
-        # Whole-image pool means are state on the predictor: one global-pooling run at a time.
-        with self._run_lock if self.context is not None else contextlib.nullcontext():
-            try:
-                if self.context is not None:
-                    self._prepare_context(self.context, x, plan)
-                result: npt.NDArray[Any] = tiled_inference(
-                    x,
-                    self.predictor,
-                    tile_shape=plan.tile,
-                    halo=plan.halo,
-                    overlap=plan.overlap,
-                    blend=plan.blend.value,
-                    alignment=spec.alignment,
-                    scale=spec.scale,
-                    batch_size=plan.batch_size,
-                    device=self.predictor.device,
-                    out=out,
-                    reduce=reduce,
-                    progress=progress,
-                    fixed_tile_shape=plan.grid.fixed_tile_shape,
-                    should_stop=should_stop,
-                    resume=resume,
-                    seam=seam,
-                )
-            finally:
-                if self.context is not None:
-                    self.context.clear_context()
-        return result
 
     def run(
         self,
@@ -366,19 +325,3 @@ class Model:
         x = self.preprocess(data)
         plan = self.plan(x.shape[1:], params, sample=x)
         return self.execute(x, plan, out=out, progress=progress)
-
-    def _prepare_context(self, context: PoolingContext, x: npt.NDArray[np.float32], plan: RunPlan) -> None:
-        """Whole-image pool means for a global-pooling model, before the tiled pass.
-
-        Pool means average feature maps whose reach is the whole receptive field: a halo
-        calibrated for the output truncates them (text-det-2d, halo 188: the neck's pool means
-        2 % off, the output 0.43 off). So an image of at most :attr:`CONTEXT_WHOLE_FACTOR` tiles'
-        voxels gets one whole-image pass (exact), and a larger one tile-by-tile passes with the
-        radius as halo (exact once tile > 2 * radius; else the largest halo the tile allows).
-        """
-        extent = aligned_extent(x.shape[1:], self.spec.alignment)
-        if math.prod(extent) <= self.CONTEXT_WHOLE_FACTOR * math.prod(plan.tile):
-            context.prepare_context(x, tile=None, halo=None)
-            return
-        halo = context_halo(plan.halo, self.receptive_field(), plan.tile)
-        context.prepare_context(x, tile=plan.tile, halo=halo, batch_size=plan.batch_size)

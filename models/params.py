@@ -31,6 +31,7 @@ __all__ = [
     "OutputFormat",
     "OutputKind",
     "PerAxis",
+    "REQUEST_ONLY",
     "Spacing",
     "StrEnum",
     "Tta",
@@ -39,6 +40,10 @@ __all__ = [
 ]
 
 PerAxis = int | tuple[int, ...]
+
+#: Fields that belong to one request only: not a spec default, not an option of ``tilewise infer``
+#: or ``tilewise batch`` (``tilewise plan`` is the command line's dry run).
+REQUEST_ONLY = frozenset({"dry_run"})
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -183,6 +188,18 @@ def _positive_number(value: Any, info: ValidationInfo) -> Any:
     return number
 
 
+def _flag(value: Any, info: ValidationInfo) -> Any:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, any case) or a bool."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"true", "1", "yes", "on"}:
+        return True
+    if text in {"false", "0", "no", "off"}:
+        return False
+    raise ValueError(f"{info.field_name}={value!r} is not true or false")
+
+
 def _choice(kind: type[StrEnum]) -> BeforeValidator:
     """Case-insensitive choice of ``kind``'s values (``format`` also drops a leading dot)."""
 
@@ -244,6 +261,12 @@ class InferenceParams(BaseModel):
         description="`model`: resample NIfTI inputs to the model's spacing (and the output back); "
         "`native`: no resampling (reorientation still applies). Images without an affine (PNG, "
         "TIFF, JPEG) are always native.",
+    )
+
+    dry_run: Annotated[bool, BeforeValidator(_flag)] = Field(
+        default=False,
+        description="`true`: answer the plan as JSON (tile, halo, batch_size, tiles, work, peak_bytes, "
+        "eta_s ...) without running the network.",
     )
 
     def merged(self, defaults: InferenceParams) -> InferenceParams:

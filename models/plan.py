@@ -38,6 +38,9 @@ class RunPlan:
         warning: one sentence when a given halo is below a local model's receptive-field radius
             on an axis with more than one tile (the ``X-Tilewise-Warning`` header), else ``None``.
         mirror_axes: the spatial axes ``tta=mirror`` flips (the spec's ``mirror_axes``).
+        tile_source: where :attr:`tile` came from: ``given`` (the request), ``default`` (the
+            spec), ``grown`` (a larger tile where the halo ate the default one) or ``budget``
+            (chosen within ``TILEWISE_MEMORY_BUDGET``); see :mod:`models.planner`.
     """
 
     model: str
@@ -53,6 +56,7 @@ class RunPlan:
     tta: Tta = Tta.NONE
     warning: str | None = None
     mirror_axes: tuple[int, ...] | None = None
+    tile_source: str = "given"
 
     @property
     def flips(self) -> tuple[tuple[int, ...], ...]:

@@ -22,11 +22,21 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["HaloCalibration", "ReceptiveField", "calibrate_halo", "probe_input", "probe_receptive_field"]
+__all__ = [
+    "HaloCalibration",
+    "ROUNDING_ULPS",
+    "ReceptiveField",
+    "calibrate_halo",
+    "probe_input",
+    "probe_receptive_field",
+]
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_PROBE = {1: 1024, 2: 128, 3: 40}
+#: Units in the last place (float32) of the output's largest value that count as rounding
+#: (:attr:`HaloCalibration.floor`).
+ROUNDING_ULPS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +62,11 @@ class HaloCalibration:
     """Result of :func:`calibrate_halo`: the chosen ``halo``, its ``error`` and the error per halo.
 
     ``sample`` says what the halo was calibrated on (``"synthetic sample"``, or ``"sample
-    <shape>-<fingerprint>"`` when :meth:`models.Model.calibrate` got real data).
+    <shape>-<fingerprint>"`` when :meth:`models.Model.calibrate` got real data). ``floor`` is
+    float32 rounding at this output's scale (:data:`ROUNDING_ULPS` units in the last place of its
+    largest absolute value): a tile and the whole pass add in another order, so errors up to it
+    are the arithmetic's, whatever the halo (the benchmarks' U-Net, outputs up to about 2: 1.5e-8
+    to 4.5e-8 at halos beyond its radius).
     """
 
     halo: int
@@ -62,6 +76,7 @@ class HaloCalibration:
     met: bool
     seconds: float
     sample: str = "synthetic sample"
+    floor: float = 0.0
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -263,6 +278,7 @@ def calibrate_halo(
         met,
         time.perf_counter() - start,
         "synthetic sample" if synthetic else "given sample",
+        ROUNDING_ULPS * float(np.finfo(np.float32).eps) * float(np.abs(ref_all).max(initial=0.0)),
     )
     if not met:
         logger.warning("no halo up to %d meets tolerance %g (error %g)", margin, tolerance, errors[halo])

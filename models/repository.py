@@ -228,7 +228,9 @@ class ModelRepository:
         model whose receptive field is unknown (no ``receptive_field`` in its spec, not analytic) is
         probed for its radius: ``halo="auto"`` needs both, so no request pays for them, and
         :meth:`spec` / ``/v1/models`` then report them (text-det-2d's radius: about 5 s on two CPU
-        cores). A tile-dependent model needs no radius (``halo="auto"`` does not search).
+        cores). A tile-dependent model needs no radius (``halo="auto"`` does not search). Each
+        model's :meth:`~models.Model.footprint` (memory and time per voxel, for plans, the request
+        budget and dry runs) is measured too, before any request runs beside it.
         """
         gone = self.unavailable()
         for name in names if names is not None else [n for n in self.names() if n not in gone]:
@@ -237,6 +239,8 @@ class ModelRepository:
                 model = self.get(name)
                 spec = model.spec
                 check_forward(spec, model.predictor)
+                if probe:
+                    model.footprint()
                 if probe and model.known_tile_dependent is None:
                     start = time.perf_counter()
                     dependent = model.is_tile_dependent()

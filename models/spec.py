@@ -60,7 +60,7 @@ from pydantic import (
 )
 
 from models.errors import SpecError
-from models.params import Blend, InferenceParams, OutputKind, StrEnum, _per_axis
+from models.params import REQUEST_ONLY, Blend, InferenceParams, OutputKind, StrEnum, _per_axis
 from models.steps import STEP_PARAMS, FrameSpec, PreprocessStep, check_params
 
 __all__ = [
@@ -235,6 +235,9 @@ class ModelSpec(BaseModel):
             check_params("params", self.params, ANALYTIC_PARAMS)
             if self.tile_dependent is None:  # fixed filters: local by construction
                 object.__setattr__(self, "tile_dependent", False)
+        request_only = sorted(name for name in REQUEST_ONLY if getattr(self.defaults, name))
+        if request_only:
+            raise ValueError(f"field 'defaults.{request_only[0]}' is a request option, not a model default")
         filled = self.defaults.merged(
             InferenceParams(
                 tile=256 if ndim < 3 else 96,

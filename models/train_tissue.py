@@ -91,12 +91,13 @@ class TrainConfig:
     """Training hyper-parameters; every field is recorded in the metrics JSON.
 
     Patches are ``(patch, patch, patch_z)`` voxels (``patch_z < patch`` makes them flat, so that
-    their centres can come closer to the held-out band), rotated by up to ``max_rotation`` degrees in the axial plane and
-    ``max_tilt`` about the two other axes, zoomed by up to ``max_scale`` per axis. Intensity
-    augmentation, on a patch with probability ``intensity_p``: ``x ** exp(U(-max_gamma,
-    max_gamma))`` times a gain ``exp(U(-max_gain, max_gain))`` times a linear bias field
-    ``exp(slope . r)`` (``|slope| <= max_bias`` per axis, ``r`` in [-0.5, 0.5) across the patch),
-    plus Gaussian noise of sigma ``U(0, max_noise)``. ``threads`` is the torch CPU thread count
+    their centres can come closer to the held-out band), rotated by up to ``max_rotation``
+    degrees in the axial plane and ``max_tilt`` about the two other axes, zoomed by up to
+    ``max_scale`` per axis. Intensity augmentation, on a patch with probability
+    ``intensity_p``: ``x ** exp(U(-max_gamma, max_gamma))`` times a gain ``exp(U(-max_gain,
+    max_gain))`` times a linear bias field ``exp(slope . r)`` (``|slope| <= max_bias`` per axis,
+    ``r`` in [-0.5, 0.5) across the patch), plus Gaussian noise of sigma ``U(0, max_noise)``.
+    ``threads`` is the torch CPU thread count
     (part of the result: reductions split differently with another count).
     """
 

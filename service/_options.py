@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from models.params import InferenceParams, OutputFormat
+from models.params import REQUEST_ONLY, InferenceParams, OutputFormat
 
 __all__ = [
     "FORMAT_SUFFIXES",
@@ -38,6 +38,8 @@ def add_param_options(parser: Any, *, choices: bool = True) -> None:
     With ``choices``, closed sets are argparse choices (a wrong value exits with status 2).
     """
     for name, field in InferenceParams.model_fields.items():
+        if name in REQUEST_ONLY:
+            continue
         allowed = InferenceParams.choices(name) if choices else None
         parser.add_argument(
             f"--{name.replace('_', '-')}",
@@ -50,7 +52,11 @@ def add_param_options(parser: Any, *, choices: bool = True) -> None:
 
 def param_values(args: argparse.Namespace) -> dict[str, str]:
     """The inference options given on the command line, by parameter name (as text)."""
-    values = {name: getattr(args, _DEST + name, None) for name in InferenceParams.model_fields}
+    values = {
+        name: getattr(args, _DEST + name, None)
+        for name in InferenceParams.model_fields
+        if name not in REQUEST_ONLY
+    }
     return {name: str(value) for name, value in values.items() if value is not None}
 
 

@@ -25,7 +25,7 @@ from service.codecs import configure_pillow
 from service.executor import DeviceExecutor
 from service.http_errors import error_response, install_error_handlers, plain_error_response
 from service.jobs import JobService, JobStore
-from service.memory import release_free_memory
+from service.memory import fix_mmap_threshold, release_free_memory
 from service.metrics import Metrics
 from service.requestid import RequestIdMiddleware
 from service.routes import health_router, v1_router
@@ -62,6 +62,7 @@ def _load_repository(settings: Settings) -> Any:
     """
     from models import ModelRepository
 
+    fix_mmap_threshold(settings.mmap_threshold_bytes)  # before the warm-up measures footprints
     repository = ModelRepository(settings.models_dir, device=settings.device, strict=settings.strict_models)
     names = repository.names()
     logger.info("loaded %d models on %s: %s", len(names), _device_name(settings), ", ".join(names))

@@ -7,7 +7,8 @@ server's limits (``TILEWISE_MAX_BATCH_SIZE``, ``TILEWISE_MAX_TILES``, ``TILEWISE
 - ``batch_size``, tile count and ``work`` (voxels through the network per input voxel): 422
   ``over_budget`` (:class:`OverBudgetError`): the parameters make the request unreasonable; a larger
   tile, a smaller halo or overlap, or a smaller batch fixes it;
-- predicted memory (:func:`models.cost.peak_bytes` plus the decoded input): 413 ``over_budget``
+- predicted memory (:func:`models.cost.peak_bytes`, from the network's footprint measured at
+  warm-up, plus the decoded input): 413 ``over_budget``
   (:class:`MemoryBudgetError`): the image is too large for this server with these parameters.
 
 The route checks the query's ``batch_size`` before reading the upload and the plan made from the
@@ -70,13 +71,25 @@ class Budget:
                 "(TILEWISE_MAX_BATCH_SIZE); use a smaller batch_size"
             )
 
-    def check_plan(self, plan: Any, in_channels: int, out_channels: int, *, input_bytes: int = 0) -> int:
+    def check_plan(
+        self,
+        plan: Any,
+        in_channels: int,
+        out_channels: int,
+        *,
+        input_bytes: int = 0,
+        footprint: Any = None,
+        copies_input: bool = True,
+    ) -> int:
         """Refuse ``plan`` (a :class:`~models.RunPlan`) if it costs more than this budget.
 
         Args:
             plan: the plan of the request.
             in_channels, out_channels: the model's channels.
             input_bytes: the decoded input's bytes, held beside the plan's own memory.
+            footprint: the network's measured :class:`~models.footprint.Footprint` (default: an
+                estimate).
+            copies_input: whether preprocessing copies the input (:func:`models.cost.peak_bytes`).
 
         Returns:
             the predicted peak memory (bytes).
@@ -105,7 +118,9 @@ class Budget:
                 f"the limit is max_work={self.max_work:g} (TILEWISE_MAX_WORK): use a larger tile, or a "
                 "smaller halo or overlap"
             )
-        need = peak_bytes(plan, in_channels, out_channels) + int(input_bytes)
+        need = peak_bytes(
+            plan, in_channels, out_channels, footprint, input_bytes=input_bytes, copies_input=copies_input
+        )
         if self.max_bytes is not None and need > self.max_bytes:
             raise MemoryBudgetError(
                 f"the request would hold about {need} bytes ({_size(need)}: {what}, "

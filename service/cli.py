@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 COMMANDS = (
     "serve",
     "infer",
+    "plan",
     "batch",
     "demo",
     "setup_models",

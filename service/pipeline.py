@@ -49,7 +49,10 @@ __all__ = [
     "InferenceResult",
     "Limits",
     "check_input",
+    "copies_input",
     "fit_to_model",
+    "input_bytes",
+    "model_shape",
     "plan_format",
     "precheck",
     "run_file",
@@ -77,12 +80,15 @@ class Limits:
         max_image_pixels: pixels per plane of a picture or TIFF page (413).
         max_bytes: bytes once decompressed, from the header (413).
         budget: batch size, tiles, work and memory of the plan (:mod:`service.budget`).
+        memory_budget: bytes the plan should fit (``TILEWISE_MEMORY_BUDGET``): picks the tile and
+            batch size the request does not give (:mod:`models.planner`).
     """
 
     max_voxels: int | None = None
     max_image_pixels: int | None = None
     max_bytes: int | None = None
     budget: Budget | None = None
+    memory_budget: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Any) -> Limits:
@@ -95,6 +101,7 @@ class Limits:
             settings.max_image_pixels,
             settings.max_decoded_bytes or settings.max_request_bytes,
             Budget.from_settings(settings),
+            settings.memory_budget,
         )
 
 
@@ -200,30 +207,54 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
     """Refuse, from the file's header alone, an input or a plan beyond ``limits`` (before queueing).
 
     The plan is made on the model grid's shape, from the header's shape and affine (the spec's
-    spacing or frame); a calibrated halo (``halo=auto``) counts as 0 here, a lower bound of the real plan's
-    cost, which :func:`run_volume` checks again before running it.
+    spacing or frame), with the network's footprint as far as it is known (measured at warm-up;
+    else an estimate); a calibrated halo (``halo=auto``) counts as 0 here, a lower bound of the
+    real plan's cost, which :func:`run_volume` checks again before running it.
 
     Raises:
         PayloadTooLargeError, UnusableInputError: see :func:`check_input`.
         OverBudgetError, MemoryBudgetError: the plan over the budget (422, 413).
         ParamError, GridError: parameters that cannot tile this image (400).
     """
-    from models.mapping import header_model_shape
+    from models.footprint import Footprint
 
     spec = model.spec
     header = check_input(spec, source, limits)
     if limits.budget is not None:
-        shape = header.spatial_shape
-        if int(spec.spatial_dims) == 2 and header.single_slice:
-            shape = shape[:2]
-        shape = header_model_shape(shape, header.info.get("affine"), spec, native=params.spacing == "native")
-        merged = params.merged(spec.defaults)
-        if merged.halo == "auto":
-            merged = merged.model_copy(update={"halo": 0})
-        plan = model.plan(shape, merged)
-        decoded = header.voxels * np.dtype(header.dtype).itemsize
-        limits.budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=decoded)
+        if params.merged(spec.defaults).halo == "auto":
+            params = params.model_copy(update={"halo": 0})
+        footprint = model.known_footprint or Footprint.estimate(int(spec.in_channels))
+        held = {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
+        shape = model_shape(spec, header, params)
+        plan = model.plan(shape, params, memory_budget=limits.memory_budget, footprint=footprint, **held)
+        limits.budget.check_plan(
+            plan, int(spec.in_channels), int(spec.out_channels), footprint=footprint, **held
+        )
     return header
+
+
+def model_shape(spec: Any, header: Probe, params: InferenceParams) -> tuple[int, ...]:
+    """The spatial shape the model plans on for an input with this header: on the model's grid
+    (the spec's spacing or frame, from the header's affine); a one-slice NIfTI is an image for a
+    2D model."""
+    from models.mapping import header_model_shape
+
+    shape = tuple(header.spatial_shape)
+    if int(spec.spatial_dims) == 2 and header.single_slice:
+        shape = shape[:2]
+    native = params.spacing == "native"
+    return tuple(header_model_shape(shape, header.info.get("affine"), spec, native=native))
+
+
+def input_bytes(header: Probe) -> int:
+    """Bytes of the decoded input of a file with this header."""
+    return int(header.voxels * np.dtype(header.dtype).itemsize)
+
+
+def copies_input(spec: Any, header: Probe) -> bool:
+    """Whether preprocessing makes a float32 copy of the decoded input: always but for a float32
+    image in C order that no preprocessing step changes (NIfTI voxels decode in Fortran order)."""
+    return np.dtype(header.dtype) != np.float32 or bool(spec.preprocess) or header.kind == "nifti"
 
 
 def run_volume(
@@ -236,10 +267,12 @@ def run_volume(
     progress: bool | Callable[[int], object] = False,
     checkpoint: Checkpoint | None = None,
     tiled: TiledPass | None = None,
+    limits: Limits | None = None,
 ) -> MappedRun:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
-    The plan is checked against ``budget`` before the network sees a tile; ``should_stop`` is
+    The plan is sized within ``limits.memory_budget`` and checked against ``budget`` (default
+    ``limits.budget``) before the network sees a tile; ``should_stop`` is
     asked before every batch (the run ends with :class:`tiling.RunCancelledError`); ``progress``
     shows a bar of tiles on stderr, or is called with each batch's tile count. With a
     ``checkpoint`` the network's output goes to its array, and a run of the same plan that stopped
@@ -255,11 +288,13 @@ def run_volume(
 
     spec = model.spec
     data, dropped = fit_to_model(volume, spec)
+    budget = budget if budget is not None else (None if limits is None else limits.budget)
 
-    def check(plan: RunPlan, extra_bytes: int) -> None:
+    def check(plan: RunPlan, extra_bytes: int, copies: bool = True) -> None:
         if budget is not None:
             held = volume.data.nbytes + extra_bytes
-            budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=held)
+            budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=held,
+                              footprint=model.footprint(), copies_input=copies)  # fmt: skip
 
     def start(plan: RunPlan) -> tuple[Any, Resume]:
         assert checkpoint is not None
@@ -275,6 +310,8 @@ def run_volume(
         progress=progress,
         should_stop=should_stop,
         tiled=tiled,
+        memory_budget=None if limits is None else limits.memory_budget,
+        input_bytes=volume.data.nbytes,
     )
     result = np.asarray(run.result)
     if dropped:
@@ -340,11 +377,11 @@ def run_file(
         model,
         volume,
         params,
-        budget=limits.budget,
         should_stop=should_stop,
         progress=progress,
         checkpoint=checkpoint,
         tiled=tiled,
+        limits=limits,
     )
     array, plan = run.result, run.plan
     if plan.warning:

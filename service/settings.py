@@ -24,6 +24,11 @@ Variable                          Meaning
                                   the memory of the machine or container)
 ``TILEWISE_MAX_DECODED_BYTES``    bytes an input may declare once decompressed, from its header (413
                                   beyond; default: ``TILEWISE_MAX_REQUEST_BYTES``)
+``TILEWISE_MEMORY_BUDGET``        bytes a request's plan should fit: picks the tile and batch size a request
+                                  does not give (least predicted time within it; default: unset, the
+                                  model's own, grown only where the halo eats the tile)
+``TILEWISE_MMAP_THRESHOLD_BYTES`` allocations this large get their own mmap (glibc), so a request's peak is
+                                  what it holds and predictable (default 131072; 0: glibc's own)
 ``TILEWISE_MAX_UPLOADS``          uploads in progress at once (503 beyond; default 16); an upload
                                   takes an inference slot only once its body has arrived
 ``TILEWISE_UPLOAD_MIN_RATE``      bytes/s an upload must average after the grace period (408 below;
@@ -103,6 +108,8 @@ class Settings(BaseSettings):
     max_work: float = Field(default=64.0, gt=0)
     max_request_bytes: int = Field(default_factory=lambda: memory_limit_bytes() // 2, ge=1)
     max_decoded_bytes: int | None = Field(default=None, ge=1)
+    memory_budget: int | None = Field(default=None, ge=1)
+    mmap_threshold_bytes: int = Field(default=131072, ge=0)
     max_uploads: int = Field(default=16, ge=1)
     upload_min_rate: int = Field(default=16384, ge=0)
     upload_grace_s: float = Field(default=10.0, ge=0)

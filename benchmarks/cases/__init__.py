@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from benchmarks.cases.autohalo import case_auto
 from benchmarks.cases.images2d import case_2d
+from benchmarks.cases.memplan import case_memplan
 from benchmarks.cases.prefetch import case_prefetch
 from benchmarks.cases.scaling import case_scaling
 from benchmarks.cases.service import case_service
@@ -15,7 +17,9 @@ from benchmarks.harness import Bench
 
 CASES: dict[str, Callable[[Bench], None]] = {
     "3d": case_3d,
+    "auto": case_auto,
     "shallow": case_shallow,
+    "memplan": case_memplan,
     "prefetch": case_prefetch,
     "scaling": case_scaling,
     "service": case_service,

@@ -17,6 +17,15 @@ def case_shallow(bench: Bench) -> None:
     if whole.status != "ok":
         return
     base["reference"] = str(ref)
+    default = bench.add(
+        "shallow",
+        "tilewise Model.run, default plan",
+        {**base, "kind": "model-run", "models_dir": str(bench.work / "no-models"), "model_name": model,
+         "params": {}},
+    )  # fmt: skip
+    if default.status == "ok" and default.get("plan"):
+        p = default.get("plan")
+        default.note = f"tile {p['tile']}, halo {p['halo']}, {p['tiles']} tiles, work {p['work']}"
     for tile in m.shallow_tiles:
         cal = bench.calibrate(model, data, tile, 1e-5)
         if cal is None:

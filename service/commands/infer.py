@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from service._options import FORMAT_SUFFIXES, add_param_options, param_values
+from service._options import FORMAT_SUFFIXES, add_param_options, argparse_number, param_values
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,12 @@ def register(sub: Any) -> None:
     parser.add_argument("--model", required=True, help="model name (see GET /v1/models)")
     add_param_options(
         parser.add_argument_group("inference (default: the model's; --format: OUTPUT's suffix)")
+    )
+    parser.add_argument(
+        "--memory-budget",
+        type=argparse_number(int, 1),
+        default=None,
+        help="bytes the run should fit: picks the tile and batch size not given (TILEWISE_MEMORY_BUDGET)",
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: TILEWISE_DEVICE or auto)")
     parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")
@@ -122,13 +128,15 @@ def _run(args: argparse.Namespace) -> int:
     from models.params import parse_params
     from service.codecs import configure_pillow
     from service.errors import ServiceError
+    from service.memory import fix_mmap_threshold
     from service.pipeline import Limits, run_file
     from service.settings import Settings
     from tiling import TilingError
 
-    overrides = {"models_dir": args.models, "device": args.device}
+    overrides = {"models_dir": args.models, "device": args.device, "memory_budget": args.memory_budget}
     settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     configure_pillow(settings.max_image_pixels)
+    fix_mmap_threshold(settings.mmap_threshold_bytes)
     raw: dict[str, str | None] = {"format": format_from_suffix(args.output), **param_values(args)}
     problem = output_problem(args.output, param_values(args).get("format"))
     if problem is not None:
@@ -145,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
             settings.models_dir, device=settings.device, strict=settings.strict_models
         ).get(args.model)
         target.parent.mkdir(parents=True, exist_ok=True)
-        limits = Limits(max_image_pixels=settings.max_image_pixels)
+        limits = Limits(max_image_pixels=settings.max_image_pixels, memory_budget=settings.memory_budget)
         with contextlib.ExitStack() as stack:
             tiled = None if args.dask is None else stack.enter_context(_dask_pass(args, settings, target))
             result = run_file(

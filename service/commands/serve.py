@@ -41,6 +41,8 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--max-work", "max_work", _work, "most voxels through the network per input voxel (64)"),
     ("--max-request-bytes", "max_request_bytes", _positive, "most memory one request's plan may predict"),
     ("--max-decoded-bytes", "max_decoded_bytes", _positive, "bytes an input may inflate to"),
+    ("--memory-budget", "memory_budget", _positive, "bytes a plan should fit: picks tile and batch size"),
+    ("--mmap-threshold", "mmap_threshold_bytes", _count, "glibc mmap threshold, bytes (131072; 0: glibc's)"),
     ("--max-uploads", "max_uploads", _positive, "uploads in progress at once (16)"),
     ("--upload-min-rate", "upload_min_rate", _count, "bytes/s an upload must average (16384)"),
     ("--upload-grace", "upload_grace_s", _seconds, "seconds before the minimum rate applies (10)"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
@@ -47,7 +47,26 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "tiles' predictions where they overlap, measured during the run; `X-Tilewise-Warning` says (one "
         "sentence) when a given halo is below a local model's receptive-field radius.",
         "content": {
-            t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")
+            **{t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")},
+            "application/json": {
+                "schema": {"type": "object"},
+                "example": {
+                    "model": "gaussian-3d",
+                    "input_shape": [192, 192, 192],
+                    "model_shape": [192, 192, 192],
+                    "tile": [60, 60, 60],
+                    "halo": [8, 8, 8],
+                    "overlap": [0, 0, 0],
+                    "blend": "constant",
+                    "batch_size": 2,
+                    "tiles": 64,
+                    "work": 1.95,
+                    "peak_bytes": 103079215,
+                    "eta_s": 14.2,
+                    "tta": "none",
+                    "tile_dependent": False,
+                },
+            },
         },
     },
     400: error_doc("bad_parameter", "Invalid, unknown or repeated query parameter, or an empty body."),
@@ -132,6 +151,13 @@ def _loaded(repository: Any, name: str) -> Any:
         raise ModelUnavailableError(f"model {name!r} is unavailable: {why}") from exc
 
 
+def _dry_run(repository: Any, name: str, source: Path, params: InferenceParams, limits: Limits) -> Any:
+    """Worker-thread dry run: the plan as JSON, the network not run (:mod:`service.dryrun`)."""
+    from service.dryrun import dry_run
+
+    return dry_run(_loaded(repository, name), source, params, limits)
+
+
 def _precheck(repository: Any, name: str, source: Path, params: InferenceParams, limits: Limits) -> None:
     """Worker-thread check of the uploaded file's header and plan, before it takes a slot."""
     precheck(_loaded(repository, name), source, params, limits)
@@ -190,7 +216,12 @@ async def infer(
     repository: RepositoryDep,
     executor: ExecutorDep,
 ) -> Response:
-    """Run a model on an uploaded image or volume and return the output file."""
+    """Run a model on an uploaded image or volume and return the output file.
+
+    With `dry_run=true`, answer the plan as JSON instead, without running the network: tile, halo,
+    overlap, blend, batch_size, tiles, work (voxels through the network per input voxel),
+    peak_bytes (predicted peak memory) and eta_s (predicted network time).
+    """
     started = time.perf_counter()
     label, status = "unknown", 500
     workdir: Path | None = None
@@ -204,7 +235,7 @@ async def infer(
         params = parse_query(request.query_params.multi_items())
         limits = Limits.from_settings(settings)
         Budget.from_settings(settings).check_params(params)
-        if not executor.has_room():  # a hint: nothing is read when the queue is full now
+        if not params.dry_run and not executor.has_room():  # a hint: nothing is read when full now
             raise executor.full_error()
         # The body arrives under the upload bound (count, rate); only then does the request take
         # an inference slot, so slow senders never hold the device queue.
@@ -215,6 +246,10 @@ async def infer(
                 request, workdir / "input", max_bytes=settings.max_upload_bytes, pace=pace
             )
         metrics.bytes_in.inc(n_bytes)
+        if params.dry_run:  # the plan only: no queue, no network
+            answer = await anyio.to_thread.run_sync(_dry_run, repository, label, source, params, limits)
+            status = 200
+            return JSONResponse(answer)
         await anyio.to_thread.run_sync(_precheck, repository, label, source, params, limits)
         slot = executor.reserve()
         logger.info("request %s queued model=%s on %s", current_request_id(), label, executor.device)

@@ -164,11 +164,12 @@ def test_params_merge_over_spec_defaults(tmp_path: Path) -> None:
 def test_plan_resolves_once_per_request() -> None:
     """Model.plan resolves every parameter against the spec and plans the grid (no data needed)."""
     model = ModelRepository("/nonexistent-tilewise-models").get("gaussian-3d")
-    plan = model.plan((100, 100, 100))  # defaults: tile 64, halo 8
-    assert plan.tile == (64, 64, 64) and plan.halo == (8, 8, 8) and plan.overlap == (0, 0, 0)
+    plan = model.plan((200, 200, 200))  # defaults: tile 128, halo 8
+    assert plan.tile == (128, 128, 128) and plan.halo == (8, 8, 8) and plan.overlap == (0, 0, 0)
     assert plan.n_tiles == 8 and plan.grid.grid_shape == (2, 2, 2) and plan.halo_source == "given"
-    # the grid sizes its tiles to the image: 2 per axis need 58 voxels (58 - 2 * 8 = 42 of core)
-    assert plan.header() == "tile=58,58,58; halo=8,8,8; overlap=0,0,0; tiles=8; work=1.56"  # 8*58**3/1e6
+    assert plan.tile_source == "default" and plan.batch_size == 1
+    # the grid sizes its tiles to the image: 2 per axis need 108 voxels (108 - 2 * 8 = 92 of core)
+    assert plan.header() == "tile=108,108,108; halo=8,8,8; overlap=0,0,0; tiles=8; work=1.26"  # 8*108**3/8e6
     with pytest.raises(GridError, match="halo"):
         model.plan((100, 100, 100), InferenceParams(halo=(1, 2)))
     with pytest.raises(InputError, match="3 spatial axes"):

@@ -142,7 +142,7 @@ def test_setup_downloads_the_wheel_without_dependencies(
 
 
 def test_tiled_pool_means_with_radius_halo_are_exact(text_det) -> None:
-    """Images larger than Model.CONTEXT_WHOLE_FACTOR tiles get their pool means tile by tile with
+    """Images larger than models.execute.CONTEXT_WHOLE_FACTOR tiles get their pool means tile by tile with
     the receptive-field radius as halo: the means equal the whole-image ones."""
     image = page_image()[:, :256, :1600]
     x = preprocess(image, text_det.spec)

@@ -78,18 +78,24 @@ def test_option_lists_match_the_engine_and_the_codecs() -> None:
 
 
 def test_cli_options_come_from_the_schema() -> None:
-    """Every InferenceParams field is a ``--name`` option of ``tilewise infer`` and ``tilewise batch``."""
+    """Every InferenceParams field is a ``--name`` option of ``tilewise infer``, ``tilewise batch``
+    and ``tilewise plan``, but the request-only ones (``dry_run``: ``tilewise plan`` is the CLI's)."""
+    from models.params import REQUEST_ONLY
     from service.cli import build_parser
 
     parser = build_parser()
-    for command in ("infer", "batch"):
-        args = ["in", "out", "--model", "m"]
-        for name in InferenceParams.model_fields:
+    fields = [name for name in InferenceParams.model_fields if name not in REQUEST_ONLY]
+    assert fields and "dry_run" in REQUEST_ONLY
+    for command in ("infer", "batch", "plan"):
+        args = ["in", *(["out"] if command != "plan" else []), "--model", "m"]
+        for name in fields:
             choices = InferenceParams.choices(name)
             args += [f"--{name.replace('_', '-')}", choices[0] if choices else "1"]
         parsed = parser.parse_args([command, *args])
         given = {k[len("param_") :]: v for k, v in vars(parsed).items() if k.startswith("param_")}
-        assert set(given) == set(InferenceParams.model_fields), command
+        assert set(given) == set(fields), command
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, *args, "--dry-run", "true"])
 
 
 def test_argparse_number() -> None:

@@ -1,0 +1,161 @@
+"""Running a plan: one tiled pass per ``tta`` flip, each retried smaller when the device runs out
+of memory.
+
+:meth:`models.Model.execute` validates the input and calls :func:`execute_plan`, which runs
+:func:`tiling.tiled_inference` once per flip of ``plan.flips`` (one pass without ``tta``) through
+:func:`models.planner.retry_smaller` (half the batch, then half the tile, on
+:class:`~models.errors.DeviceOutOfMemoryError`). A global-pooling network gets its whole-image
+pool means before each pass (:func:`prepare_context`); those are state on the predictor, so such
+a model runs one pass at a time (``model.run_lock``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from models.params import OutputKind
+from models.plan import RunPlan
+from models.planner import retry_smaller
+from models.preprocess import make_reduce
+from tiling import Resume, SeamStats, aligned_extent, context_halo
+
+if TYPE_CHECKING:
+    from models.backends import PoolingContext
+    from models.model import Model, TiledPass
+
+__all__ = ["CONTEXT_WHOLE_FACTOR", "execute_plan", "prepare_context"]
+
+#: Global-pooling models: images of at most this many tiles' voxels get their pool means from one
+#: whole-image pass (exact and fastest; memory up to this many tiles' worth).
+CONTEXT_WHOLE_FACTOR = 4
+
+Progress = bool | Callable[[int], object]
+
+
+def execute_plan(
+    model: Model,
+    x: npt.NDArray[np.float32],
+    plan: RunPlan,
+    *,
+    out: npt.NDArray[Any] | None = None,
+    progress: Progress = False,
+    should_stop: Callable[[], bool] | None = None,
+    resume: Resume | None = None,
+    seam: SeamStats | None = None,
+    replanned: Callable[[RunPlan], object] | None = None,
+    tiled: TiledPass | None = None,
+) -> tuple[npt.NDArray[Any], RunPlan]:
+    """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)`` (see
+    :meth:`models.Model.execute`, which checks the shapes first). ``tiled`` runs each pass
+    elsewhere (a Dask cluster: no out-of-memory retry here, the cluster retries its tasks).
+
+    Returns:
+        the output (``(C_out, *spatial * scale)`` float32 probabilities or ``(1, *spatial *
+        scale)`` uint8 labels; ``out`` itself when given, filled) and the plan that made it
+        (a smaller one after an out-of-memory retry).
+
+    Raises:
+        InferenceError: the backend failed (``DeviceOutOfMemoryError`` when nothing smaller fits).
+        RunCancelledError: ``should_stop()`` returned true.
+    """
+    spec = model.spec
+    labels = plan.output == OutputKind.LABELS
+    if len(plan.flips) == 1:
+        target = out[None] if out is not None and labels else out
+        reduce = make_reduce(spec.activation, plan.output.value)
+        run = (progress, should_stop, resume, seam, replanned, tiled)
+        result, plan = _tiled(model, x, plan, reduce, target, *run)
+        return result, plan
+    # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
+    logits = spec.output.tta_average == "logits"
+    per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
+    total: npt.NDArray[np.float32] | None = None
+    for axes in plan.flips:
+        dims = tuple(1 + a for a in axes)
+        flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
+        run = (progress, should_stop, None, seam, replanned, tiled)
+        y, plan = _tiled(model, flipped, plan, per_pass, None, *run)
+        y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
+        total = y.copy() if total is None else total + y
+    assert total is not None
+    result = total / np.float32(len(plan.flips))
+    reduce = make_reduce(spec.activation if logits else "none", plan.output.value)
+    if reduce is not None:
+        import torch
+
+        result = reduce(torch.from_numpy(result)).numpy()
+    if out is not None:
+        out[...] = result[0] if labels else result
+        return out, plan
+    return result, plan
+
+
+def _tiled(
+    model: Model,
+    x: npt.NDArray[np.float32],
+    plan: RunPlan,
+    reduce: Any,
+    out: Any,
+    progress: Progress,
+    should_stop: Callable[[], bool] | None,
+    resume: Resume | None,
+    seam: SeamStats | None,
+    replanned: Callable[[RunPlan], object] | None,
+    tiled: TiledPass | None = None,
+) -> tuple[npt.NDArray[Any], RunPlan]:
+    """One tiled pass, retried smaller when the device runs out of memory
+    (:func:`models.planner.retry_smaller`), or run by ``tiled`` elsewhere; the result and the plan
+    that made it."""
+    from tiling import tiled_inference
+
+    spec = model.spec
+    if tiled is not None:
+        y = tiled(model, x, plan, reduce, progress=progress, should_stop=should_stop)
+        if out is None:
+            return y, plan
+        out[...] = y
+        return out, plan
+
+    def once(p: RunPlan, r: Resume | None) -> npt.NDArray[Any]:
+        context = model.context
+        # Whole-image pool means are state on the predictor: one global-pooling run at a time.
+        with model.run_lock if context is not None else contextlib.nullcontext():
+            try:
+                if context is not None:
+                    prepare_context(model, context, x, p)
+                result: npt.NDArray[Any] = tiled_inference(
+                    x, model.predictor, tile_shape=p.grid.tile_shape, halo=p.halo, overlap=p.overlap,
+                    blend=p.blend.value, alignment=spec.alignment, scale=spec.scale,
+                    batch_size=p.batch_size, device=model.predictor.device, out=out, reduce=reduce,
+                    progress=progress, fixed_tile_shape=p.grid.fixed_tile_shape,
+                    should_stop=should_stop, resume=r, seam=seam,
+                )  # fmt: skip
+            finally:
+                if context is not None:
+                    context.clear_context()
+        return result
+
+    return retry_smaller(once, plan, spec, model.predictor.device, resume=resume, replanned=replanned)
+
+
+def prepare_context(model: Model, context: PoolingContext, x: npt.NDArray[np.float32], plan: RunPlan) -> None:
+    """Whole-image pool means for a global-pooling model, before the tiled pass.
+
+    Pool means average feature maps whose reach is the whole receptive field: a halo calibrated
+    for the output truncates them (text-det-2d, halo 188: the neck's pool means 2 % off, the
+    output 0.43 off). So an image of at most :data:`CONTEXT_WHOLE_FACTOR` tiles' voxels gets one
+    whole-image pass (exact), and a larger one tile-by-tile passes with the radius as halo (exact
+    once tile > 2 * radius; else the largest halo the tile allows).
+    """
+    extent = aligned_extent(x.shape[1:], model.spec.alignment)
+    if math.prod(extent) <= CONTEXT_WHOLE_FACTOR * math.prod(plan.tile):
+        context.prepare_context(x, tile=None, halo=None)
+        return
+    halo = context_halo(plan.halo, model.receptive_field(), plan.tile)
+    context.prepare_context(x, tile=plan.tile, halo=halo, batch_size=plan.batch_size)

@@ -1,0 +1,74 @@
+"""``tilewise plan INPUT --model NAME``: the plan of a request as JSON, without running the network.
+
+The command line's dry run: the same JSON object as ``POST /v1/models/NAME/infer?dry_run=true``
+(tile, halo, overlap, blend, batch_size, tiles, work, peak_bytes, eta_s, ...), from INPUT's header
+alone. The model is loaded and its footprint measured (a few forward passes of synthetic tiles,
+as at a server's warm-up); ``halo=auto`` takes the halo last calibrated in this process, else the
+receptive-field radius. ``--memory-budget`` (``TILEWISE_MEMORY_BUDGET``) picks the tile and batch
+size that the options do not give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from service._options import add_param_options, argparse_number, param_values
+
+logger = logging.getLogger(__name__)
+
+
+def register(sub: Any) -> None:
+    """Add the ``plan`` sub-command."""
+    parser = sub.add_parser(
+        "plan",
+        help="print the plan of a request as JSON (no network run)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("input", type=Path, help="input file: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG or TIFF")
+    parser.add_argument("--model", required=True, help="model name (see GET /v1/models)")
+    add_param_options(parser.add_argument_group("inference (default: the model's)"))
+    parser.add_argument(
+        "--memory-budget",
+        type=argparse_number(int, 1),
+        default=None,
+        help="bytes the plan should fit (default: TILEWISE_MEMORY_BUDGET, else unset)",
+    )
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: TILEWISE_DEVICE or auto)")
+    parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")
+    parser.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from models import ModelError, ModelRepository
+    from models.params import parse_params
+    from service.codecs import configure_pillow
+    from service.errors import ServiceError
+    from service.memory import fix_mmap_threshold
+    from service.pipeline import Limits
+    from service.settings import Settings
+    from tiling import TilingError
+
+    overrides = {"models_dir": args.models, "device": args.device, "memory_budget": args.memory_budget}
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    configure_pillow(settings.max_image_pixels)
+    fix_mmap_threshold(settings.mmap_threshold_bytes)
+    if not args.input.is_file():
+        logger.error("input %s is not a file", args.input)
+        return 2
+    try:
+        from service.dryrun import dry_run
+
+        params = parse_params(param_values(args))
+        model = ModelRepository(settings.models_dir, device=settings.device).get(args.model)
+        answer = dry_run(model, args.input, params, Limits.from_settings(settings))
+    except (ServiceError, ModelError, TilingError) as exc:
+        logger.error("plan failed: %s", exc)
+        return 1
+    sys.stdout.write(json.dumps(answer, indent=2) + "\n")
+    return 0
