@@ -299,14 +299,19 @@ def main(argv: list[str] | None = None) -> int:
                 if not same_arrays(outputs[0], other, args.chunk):
                     print(f"{other.name} differs from {outputs[0].name}")
                     failed = True
-            times = {r["n_workers"]: r["seconds"] for r in results["runs"] if r["size"] == size}
-            if 1 in times and 2 in times:
-                load = results["load_avg_before"][0]
-                print(f"{size}^3: time with 1 worker / time with 2 workers = {times[1] / times[2]:.2f} "
-                      f"(load average before the runs: {load:.1f} on {os.cpu_count()} CPUs)")  # fmt: skip
+            _print_scaling(size, results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 1 if failed else 0
+
+
+def _print_scaling(size: int, results: dict[str, Any]) -> None:
+    """Print the 1-worker / 2-worker time ratio of ``size`` when both were run."""
+    times = {r["n_workers"]: r["seconds"] for r in results["runs"] if r["size"] == size}
+    if 1 in times and 2 in times:
+        load = results["load_avg_before"][0]
+        print(f"{size}^3: time with 1 worker / time with 2 workers = {times[1] / times[2]:.2f} "
+              f"(load average before the runs: {load:.1f} on {os.cpu_count()} CPUs)")  # fmt: skip
 
 
 def _via_tilewise(
@@ -327,11 +332,7 @@ def _via_tilewise(
         elif not np.array_equal(first, y):
             print(f"{n} workers: the output differs from {args.workers[0]} worker(s)")
             failed = True
-    times = {r["n_workers"]: r["seconds"] for r in results["runs"] if r["size"] == size}
-    if 1 in times and 2 in times:
-        load = results["load_avg_before"][0]
-        print(f"{size}^3: time with 1 worker / time with 2 workers = {times[1] / times[2]:.2f} "
-              f"(load average before the runs: {load:.1f} on {os.cpu_count()} CPUs)")  # fmt: skip
+    _print_scaling(size, results)
     return failed
 
 
