@@ -223,6 +223,13 @@ class Model:
             copies_input=copies_input,
         )
         warning = self.seams.halo_warning(sized.grid, sized.halo) if source == "given" else None
+        if sized.budget_unmet is not None:
+            budget, peak = sized.budget_unmet
+            unmet = (
+                f"no plan fits the memory budget of {budget / 2**20:.0f} MiB: this one, the smallest "
+                f"within the work bound, predicts {peak / 2**20:.0f} MiB"
+            )
+            warning = unmet if warning is None else f"{warning}; {unmet}"
         plan = RunPlan(
             spec.name, shape, sized.tile, sized.halo, overlap, blend, sized.batch_size, p.output, source,
             sized.grid, p.tta, warning=warning, mirror_axes=spec.mirror_axes, tile_source=sized.tile_source,

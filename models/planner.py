@@ -70,6 +70,8 @@ class Sizing:
     batch_size: int
     grid: TileGrid
     tile_source: str
+    #: The memory budget asked for and the predicted peak bytes of this plan, when no plan fits it.
+    budget_unmet: tuple[int, int] | None = None
 
 
 def given_halo_rule(halo: tuple[int, ...]) -> HaloRule:
@@ -268,4 +270,11 @@ def size_plan(
             choice.work,
             choice.peak_bytes / 2**20,
         )
-    return Sizing(choice.grid.tile_shape, choice.halo, choice.batch_size, choice.grid, source)
+    unmet = None
+    if memory_budget is not None and choice.peak_bytes > memory_budget:
+        unmet = (memory_budget, int(choice.peak_bytes))
+        logger.warning(
+            "model %s: no plan fits the memory budget of %.0f MiB; the smallest plan within the work "
+            "bound predicts %.0f MiB", spec.name, memory_budget / 2**20, choice.peak_bytes / 2**20,
+        )  # fmt: skip
+    return Sizing(choice.grid.tile_shape, choice.halo, choice.batch_size, choice.grid, source, unmet)

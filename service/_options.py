@@ -18,9 +18,12 @@ __all__ = [
     "FORMAT_SUFFIXES",
     "HelpFormatter",
     "add_param_options",
+    "argparse_bytes",
     "argparse_number",
     "blank_to_none",
+    "bytes_with_unit",
     "param_values",
+    "parse_bytes",
     "plain_text",
 ]
 
@@ -78,6 +81,40 @@ def argparse_number(kind: type[N], minimum: N, *, strict: bool = False) -> Calla
 
     parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
     return parse
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes from ``300000000``, ``300MB``, ``300 MiB`` or ``2GiB`` (pydantic's ``ByteSize``: kB,
+    MB, GB are powers of 1000, KiB, MiB, GiB of 1024).
+
+    Raises:
+        ValueError: not a size, or below 1 byte.
+    """
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        value = int(TypeAdapter(ByteSize).validate_python(text.strip()))
+    except ValidationError:
+        raise ValueError(f"{text!r} is not a size in bytes (e.g. 300000000, 300MB, 2GiB)") from None
+    if value < 1:
+        raise ValueError(f"{text!r}: a size must be at least 1 byte")
+    return value
+
+
+def argparse_bytes(text: str) -> int:
+    """An argparse ``type=`` for a size in bytes, with or without a unit (:func:`parse_bytes`)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def bytes_with_unit(value: object) -> object:
+    """A pydantic "before" validator: ``TILEWISE_MEMORY_BUDGET=300MB`` as bytes (:func:`parse_bytes`);
+    an empty string means unset."""
+    if isinstance(value, str):
+        return parse_bytes(value) if value.strip() else None
+    return value
 
 
 def blank_to_none(value: object) -> object:

@@ -12,7 +12,9 @@ answer the same object, from the file's header alone (nothing is decoded)::
 decoded input included; :func:`models.cost.peak_bytes` from the footprint measured at warm-up);
 ``eta_s`` the predicted network time (the throughput measured at warm-up). Beyond the design's keys:
 ``tile_source`` and ``halo_source`` (where they came from), ``memory_budget``, ``footprint`` (the
-measured figures) and ``over_budget`` (``null``, or why the server would refuse the request).
+measured figures), ``over_budget`` (``null``, or why the server would refuse the request) and
+``warning`` (``null``, or what ``X-Tilewise-Warning`` would say: a halo below the receptive-field
+radius, or a memory budget that no plan meets).
 ``halo="auto"`` takes the halo last calibrated for the tile (calibrating runs the network).
 """
 
@@ -76,4 +78,5 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
         "memory_budget": limits.memory_budget,
         "footprint": footprint.describe(),
         "over_budget": over,
+        "warning": plan.warning,
     }

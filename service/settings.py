@@ -69,7 +69,7 @@ from PIL import Image
 from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service._options import blank_to_none
+from service._options import blank_to_none, bytes_with_unit
 from service.memory import memory_limit_bytes
 
 __all__ = ["Settings", "get_settings"]
@@ -108,7 +108,7 @@ class Settings(BaseSettings):
     max_work: float = Field(default=64.0, gt=0)
     max_request_bytes: int = Field(default_factory=lambda: memory_limit_bytes() // 2, ge=1)
     max_decoded_bytes: int | None = Field(default=None, ge=1)
-    memory_budget: int | None = Field(default=None, ge=1)
+    memory_budget: Annotated[int | None, BeforeValidator(bytes_with_unit)] = Field(default=None, ge=1)
     mmap_threshold_bytes: int = Field(default=131072, ge=0)
     max_uploads: int = Field(default=16, ge=1)
     upload_min_rate: int = Field(default=16384, ge=0)

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from service._options import FORMAT_SUFFIXES, add_param_options, argparse_number, param_values
+from service._options import FORMAT_SUFFIXES, add_param_options, argparse_bytes, param_values
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,11 @@ def register(sub: Any) -> None:
     )
     parser.add_argument(
         "--memory-budget",
-        type=argparse_number(int, 1),
+        type=argparse_bytes,
         default=None,
-        help="bytes the run should fit: picks the tile and batch size not given (TILEWISE_MEMORY_BUDGET)",
+        help="memory the run should fit, bytes or with a unit (300MB, 2GiB): picks the tile and batch "
+        "size not given; when no plan fits, the smallest is run with a warning (default: "
+        "TILEWISE_MEMORY_BUDGET, else unset)",
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: TILEWISE_DEVICE or auto)")
     parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service._options import add_param_options, argparse_number, param_values
+from service._options import add_param_options, argparse_bytes, param_values
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,10 @@ def register(sub: Any) -> None:
     add_param_options(parser.add_argument_group("inference (default: the model's)"))
     parser.add_argument(
         "--memory-budget",
-        type=argparse_number(int, 1),
+        type=argparse_bytes,
         default=None,
-        help="bytes the plan should fit (default: TILEWISE_MEMORY_BUDGET, else unset)",
+        help="memory the plan should fit, bytes or with a unit (300MB, 2GiB); when no plan fits, the "
+        "smallest is planned and `warning` says so (default: TILEWISE_MEMORY_BUDGET, else unset)",
     )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: TILEWISE_DEVICE or auto)")
     parser.add_argument("--models", type=Path, default=None, help="model folder (TILEWISE_MODELS_DIR)")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from service._options import argparse_number
+from service._options import argparse_bytes, argparse_number
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--max-work", "max_work", _work, "most voxels through the network per input voxel (64)"),
     ("--max-request-bytes", "max_request_bytes", _positive, "most memory one request's plan may predict"),
     ("--max-decoded-bytes", "max_decoded_bytes", _positive, "bytes an input may inflate to"),
-    ("--memory-budget", "memory_budget", _positive, "bytes a plan should fit: picks tile and batch size"),
+    ("--memory-budget", "memory_budget", argparse_bytes, "memory a plan should fit (300MB, 2GiB)"),
     ("--mmap-threshold", "mmap_threshold_bytes", _count, "glibc mmap threshold, bytes (131072; 0: glibc's)"),
     ("--max-uploads", "max_uploads", _positive, "uploads in progress at once (16)"),
     ("--upload-min-rate", "upload_min_rate", _count, "bytes/s an upload must average (16384)"),

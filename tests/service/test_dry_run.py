@@ -134,6 +134,36 @@ def test_tilewise_plan_fits_a_memory_budget(tmp_path: Path) -> None:
     assert large["tiles"] < small["tiles"] and large["eta_s"] < small["eta_s"]
 
 
+def test_a_memory_budget_no_plan_meets_is_said_not_hidden(tmp_path: Path, monkeypatch) -> None:
+    """A budget below what the input and output alone take: the smallest plan, and a warning in the
+    dry run (the same text the run sends as X-Tilewise-Warning); sizes take units, as the variable."""
+    from service.cli import main
+
+    volume = _nifti(tmp_path / "v.nii", (160, 160, 160))
+    answers = {}
+    for budget in ("20MB", "400MiB"):
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert main(["plan", str(volume), "--model", "gaussian-3d", "--memory-budget", budget]) == 0
+        answers[budget] = json.loads(out.getvalue())
+    tight, roomy = answers["20MB"], answers["400MiB"]
+    assert tight["memory_budget"] == 20_000_000 and roomy["memory_budget"] == 400 * 2**20
+    assert tight["peak_bytes"] > 20_000_000
+    assert "no plan fits the memory budget of 19 MiB" in tight["warning"], tight["warning"]
+    assert roomy["warning"] is None and roomy["peak_bytes"] <= 400 * 2**20
+    model = ModelRepository(tmp_path / "models", device="cpu").get("gaussian-3d")
+    plan = model.plan((160, 160, 160), memory_budget=20_000_000)  # without the request's input
+    assert plan.warning is not None and plan.warning.startswith("no plan fits the memory budget of 19 MiB")
+    with pytest.raises(SystemExit):  # argparse: a size it cannot read
+        main(["plan", str(volume), "--model", "gaussian-3d", "--memory-budget", "3xB"])
+    from service.settings import Settings
+
+    monkeypatch.setenv("TILEWISE_MEMORY_BUDGET", "2GiB")
+    assert Settings().memory_budget == 2 * 2**30
+    monkeypatch.setenv("TILEWISE_MEMORY_BUDGET", "")
+    assert Settings().memory_budget is None
+
+
 class _OutOfMemoryAbove1:
     def __init__(self, inner: object) -> None:
         self.inner = inner
