@@ -12,7 +12,7 @@ server's limits (``TILEWISE_MAX_BATCH_SIZE``, ``TILEWISE_MAX_TILES``, ``TILEWISE
   (:class:`MemoryBudgetError`): the image is too large for this server with these parameters.
 
 The route checks the query's ``batch_size`` before reading the upload and the plan made from the
-file's header before queueing it (:func:`service.pipeline.precheck`); the pipeline checks the
+file's header before queueing it (:func:`service.precheck.precheck`); the pipeline checks the
 plan it runs again, before the network sees a tile.
 """
 

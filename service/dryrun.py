@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import MemoryBudgetError, OverBudgetError
-from service.pipeline import Limits, check_input, copies_input, input_bytes, model_shape
+from service.precheck import Limits, check_input, copies_input, input_bytes, model_shape
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model

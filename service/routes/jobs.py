@@ -33,7 +33,7 @@ from service.errors import (
 from service.executor import Slot
 from service.jobs import JobService, JobState, event_stream, job_status
 from service.jobs.store import INPUT_FILE
-from service.pipeline import Limits, precheck
+from service.precheck import Limits, precheck
 from service.requestid import current_request_id
 from service.routes.docs import error_doc, params_doc
 from service.upload import Pace, receive_upload
