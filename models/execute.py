@@ -130,10 +130,8 @@ def _tiled(
                 if context is not None:
                     prepare_context(model, context, x, p)
                 result: npt.NDArray[Any] = tiled_inference(
-                    x, model.predictor, tile_shape=p.grid.tile_shape, halo=p.halo, overlap=p.overlap,
-                    blend=p.blend.value, alignment=spec.alignment, scale=spec.scale,
-                    batch_size=p.batch_size, device=model.predictor.device, out=out, reduce=reduce,
-                    progress=progress, fixed_tile_shape=p.grid.fixed_tile_shape,
+                    x, model.predictor, grid=p.grid, batch_size=p.batch_size,
+                    device=model.predictor.device, out=out, reduce=reduce, progress=progress,
                     should_stop=should_stop, resume=r, seam=seam,
                 )  # fmt: skip
             finally:

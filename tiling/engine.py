@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from tiling.errors import GridError, RunCancelledError, ShapeMismatchError
 from tiling.execute import Batch, Staged, TileReader, Transfers
-from tiling.geometry import PaddingMode, parse_enum
+from tiling.geometry import PaddingMode, as_ints, parse_enum
 from tiling.grid import TileGrid
 from tiling.merge import Merger, Reducer, make_merger
 from tiling.resume import Resume, RowTracker, resume_point
@@ -31,7 +31,7 @@ Predictor = Callable[[torch.Tensor], Any]
 def tiled_inference(
     inputs: Any,
     predictor: Predictor,
-    tile_shape: int | Sequence[int],
+    tile_shape: int | Sequence[int] | None = None,
     halo: int | Sequence[int] = 0,
     overlap: int | Sequence[int] = 0,
     blend: str = "constant",
@@ -50,6 +50,7 @@ def tiled_inference(
     should_stop: Callable[[], bool] | None = None,
     resume: Resume | None = None,
     seam: SeamStats | None = None,
+    grid: TileGrid | None = None,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
 
@@ -63,7 +64,8 @@ def tiled_inference(
             tensor. Tiles are read lazily, one batch at a time.
         predictor: maps a float32 ``(B, C_in, *tile)`` tensor on ``device`` to
             ``(B, C_out, *(tile * scale))``.
-        tile_shape: network input size per axis (voxels); int or one per axis.
+        tile_shape: network input size per axis (voxels); int or one per axis. Optional when
+            ``grid`` is given (then it must equal ``grid.tile_shape`` if given).
         halo: voxels discarded on each side of a tile's output (kept at the image border).
         overlap: voxels shared by neighbouring cores, blended with ``blend``.
         blend: ``"constant"``, ``"gaussian"``, ``"hann"`` or ``"triangular"``.
@@ -102,6 +104,10 @@ def tiled_inference(
             tiles' predictions where they overlap, measured during the run (see
             :mod:`tiling.seam`; memory about that of the slab merger again; a resumed run measures
             the tiles it runs). ``None``: not measured.
+        grid: the :class:`~tiling.grid.TileGrid` to run, as planned by the caller (e.g.
+            :meth:`TileGrid.plan` in a request's plan); its tile, halo, overlap, alignment, scale,
+            border, blend and ``fixed_tile_shape`` replace the keyword arguments of the same name,
+            which must then be left at their defaults or agree with it. ``None``: planned here.
 
     Returns:
         ``(C_out or C_red, *ceil(spatial * scale))`` of the input's array type (numpy for numpy,
@@ -109,7 +115,8 @@ def tiled_inference(
         torch inputs), or ``out``.
 
     Raises:
-        GridError: invalid tile/halo/overlap/alignment/scale/mode for this input.
+        GridError: invalid tile/halo/overlap/alignment/scale/mode for this input; a ``grid``
+            planned for another spatial shape, or that disagrees with a given ``tile_shape``.
         ShapeMismatchError: an input with too few dimensions, an ``out`` of the wrong shape, or a
             predictor output whose shape is not ``(B, C_out, *(tile * scale))``.
         RunCancelledError: ``should_stop()`` returned true before a batch.
@@ -122,12 +129,18 @@ def tiled_inference(
     lead = 2 if is_torch else 1
     if resume is not None and (is_torch or out is None):
         raise GridError("resume needs a (C, *spatial) numpy or array-like input and an out array")
-    _check_layout(shape, is_torch, tile_shape=tile_shape, halo=halo, overlap=overlap, alignment=alignment,
-                  scale=scale)  # fmt: skip
-    grid = TileGrid.plan(
-        shape[lead:], tile_shape, halo, overlap=overlap, alignment=alignment, scale=scale,
-        border=border, blend=blend, fixed_tile_shape=fixed_tile_shape,
-    )  # fmt: skip
+    if grid is None:
+        if tile_shape is None:
+            raise GridError("give tile_shape, or a planned grid (grid=TileGrid.plan(...))")
+        _check_layout(shape, is_torch, tile_shape=tile_shape, halo=halo, overlap=overlap,
+                      alignment=alignment, scale=scale)  # fmt: skip
+        grid = TileGrid.plan(
+            shape[lead:], tile_shape, halo, overlap=overlap, alignment=alignment, scale=scale,
+            border=border, blend=blend, fixed_tile_shape=fixed_tile_shape,
+        )  # fmt: skip
+    else:
+        _check_layout(shape, is_torch)
+        _check_grid(grid, shape[lead:], tile_shape)
     logger.info("tiled inference plan: %s", grid.summary())
     run_device = torch.device(device) if device is not None else (
         inputs.device if is_torch else torch.device("cpu")
@@ -157,6 +170,26 @@ def tiled_inference(
         return out if out is not None else torch.stack(results)
     finally:
         bar.close()
+
+
+def _check_grid(grid: TileGrid, spatial: tuple[int, ...], tile_shape: Any) -> None:
+    """A handed-down grid must be the one for this input.
+
+    Raises:
+        GridError: ``grid`` was planned for another spatial shape, or ``tile_shape`` is given and
+            differs from the grid's.
+    """
+    if not isinstance(grid, TileGrid):
+        raise GridError(f"grid must be a tiling.TileGrid, got {type(grid).__name__}")
+    if tuple(grid.spatial_shape) != tuple(spatial):
+        raise GridError(
+            f"the grid was planned for spatial shape {grid.spatial_shape}; the input's is {spatial} "
+            "(plan the grid on the array that is run)"
+        )
+    if tile_shape is not None:
+        wanted = as_ints(tile_shape, len(spatial), "tile_shape", minimum=1)
+        if wanted != tuple(grid.tile_shape):
+            raise GridError(f"tile_shape={wanted} disagrees with the grid's tile_shape {grid.tile_shape}")
 
 
 class _Counter:
