@@ -128,6 +128,7 @@ def _positive_int(text: str) -> int:
 def _run(args: argparse.Namespace) -> int:
     from models import ModelError, ModelRepository
     from models.params import parse_params
+    from service.admission import admit
     from service.codecs import configure_pillow
     from service.errors import ServiceError
     from service.memory import fix_mmap_threshold
@@ -151,11 +152,11 @@ def _run(args: argparse.Namespace) -> int:
     stem = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         params = parse_params(raw)
-        model = ModelRepository(
-            settings.models_dir, device=settings.device, strict=settings.strict_models
-        ).get(args.model)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        strict = settings.strict_models
+        repository = ModelRepository(settings.models_dir, device=settings.device, strict=strict)
         limits = Limits(max_image_pixels=settings.max_image_pixels, memory_budget=settings.memory_budget)
+        model = admit(repository, args.model, args.input, params, limits).model  # as the server admits
+        target.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.ExitStack() as stack:
             tiled = None if args.dask is None else stack.enter_context(_dask_pass(args, settings, target))
             result = run_file(

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.params import parse_query
+from service.admission import load_model
 from service.cluster import ClusterRoute
 from service.errors import NotReadyError, QueueFullError
 from service.executor import DeviceExecutor, Slot
@@ -232,7 +233,7 @@ class JobService:
             return held.stop.is_set() or not lease.valid() or self.store.cancel_requested(job_id)
 
         try:
-            model = self.repository().get(record["model"])
+            model = load_model(self.repository(), record["model"])
             params = parse_query(record["query"].items())
             checkpoint = SlabCheckpoint(
                 folder / PARTIAL_FILE, record.get("checkpoint"), progress.save_checkpoint, progress.on_start

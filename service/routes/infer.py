@@ -18,15 +18,15 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from models.errors import ModelError, ModelUnavailableError
 from models.params import InferenceParams, parse_query
+from service.admission import admit, check_request, load_model
 from service.budget import Budget
 from service.deps import ExecutorDep, MetricsDep, RepositoryDep, SettingsDep
 from service.errors import NotReadyError
 from service.executor import Slot
 from service.http_errors import classify
 from service.metrics import Metrics
-from service.pipeline import InferenceResult, Limits, precheck, run_file
+from service.pipeline import InferenceResult, Limits, run_file
 from service.requestid import current_request_id
 from service.routes.docs import error_doc, params_doc
 from service.upload import Pace, receive_upload
@@ -141,14 +141,8 @@ def result_headers(label: str, result: InferenceResult) -> dict[str, str]:
 
 
 def _loaded(repository: Any, name: str) -> Any:
-    """``repository.get(name)``; a model that fails to load now is unavailable (503) from here on."""
-    try:
-        return repository.get(name)
-    except ModelError as exc:
-        if isinstance(exc, ModelUnavailableError) or not hasattr(repository, "unavailable"):
-            raise
-        why = repository.unavailable().get(name, str(exc))
-        raise ModelUnavailableError(f"model {name!r} is unavailable: {why}") from exc
+    """The model, loaded (:func:`service.admission.load_model`: 503 when it fails to load)."""
+    return load_model(repository, name)
 
 
 def _dry_run(repository: Any, name: str, source: Path, params: InferenceParams, limits: Limits) -> Any:
@@ -159,8 +153,9 @@ def _dry_run(repository: Any, name: str, source: Path, params: InferenceParams, 
 
 
 def _precheck(repository: Any, name: str, source: Path, params: InferenceParams, limits: Limits) -> None:
-    """Worker-thread check of the uploaded file's header and plan, before it takes a slot."""
-    precheck(_loaded(repository, name), source, params, limits)
+    """Worker-thread admission of the uploaded file (:func:`service.admission.admit`: model, header,
+    plan), before it takes a slot; the jobs route admits with the same function."""
+    admit(repository, name, source, params, limits)
 
 
 def _work(
@@ -235,6 +230,7 @@ async def infer(
         params = parse_query(request.query_params.multi_items())
         limits = Limits.from_settings(settings)
         Budget.from_settings(settings).check_params(params)
+        check_request(repository.spec(name), params)
         if not params.dry_run and not executor.has_room():  # a hint: nothing is read when full now
             raise executor.full_error()
         # The body arrives under the upload bound (count, rate); only then does the request take

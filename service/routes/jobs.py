@@ -21,6 +21,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.requests import ClientDisconnect
 
 from models.params import InferenceParams, parse_query
+from service.admission import admit, check_request
 from service.budget import Budget
 from service.deps import ExecutorDep, MetricsDep, RepositoryDep, SettingsDep
 from service.errors import (
@@ -33,7 +34,7 @@ from service.errors import (
 from service.executor import Slot
 from service.jobs import JobService, JobState, event_stream, job_status
 from service.jobs.store import INPUT_FILE
-from service.precheck import Limits, precheck
+from service.precheck import Limits
 from service.requestid import current_request_id
 from service.routes.docs import error_doc, params_doc
 from service.upload import Pace, receive_upload
@@ -141,7 +142,11 @@ _SUBMIT_OPENAPI = {
         404: error_doc("unknown_model", "No model of this name."),
         409: error_doc("idempotency_key_reused", "The key names a job of another model or parameters."),
         413: error_doc("payload_too_large", "Upload, image or plan over the limits."),
-        503: error_doc("queue_full", "The device queue is full; retry after `Retry-After` seconds."),
+        503: error_doc(
+            "queue_full",
+            "The device queue is full (retry after `Retry-After` seconds); or `model_unavailable`: the "
+            "model fails to load (as on the synchronous route).",
+        ),
     },
 )
 async def submit_job(
@@ -159,6 +164,7 @@ async def submit_job(
     store = service.store
     label, params = _parse(request, repository)
     Budget.from_settings(settings).check_params(params)
+    check_request(repository.spec(label), params)
     query = params.to_query()
     key = request.headers.get("idempotency-key")
     key_hash = None
@@ -183,8 +189,7 @@ async def submit_job(
             )
         metrics.bytes_in.inc(n_bytes)
         limits = Limits.from_settings(settings)
-        model = await anyio.to_thread.run_sync(repository.get, label)
-        await anyio.to_thread.run_sync(precheck, model, source, params, limits)
+        await anyio.to_thread.run_sync(admit, repository, label, source, params, limits)
         slot = executor.reserve()
         record, lease = await anyio.to_thread.run_sync(service.create, job_id, label, query, key_hash)
         if key_hash is not None:
