@@ -34,6 +34,7 @@ __all__ = [
     "DecodeError",
     "EmptyBodyError",
     "IdempotencyKeyReusedError",
+    "InsufficientStorageError",
     "JobNotFoundError",
     "JobStateError",
     "MemoryBudgetError",
@@ -78,6 +79,10 @@ class UnusableInputError(ServiceError, ValueError):
 
 class PayloadTooLargeError(ServiceError):
     """The upload exceeds the byte limit, or the image the voxel / pixel limit."""
+
+
+class InsufficientStorageError(ServiceError):
+    """The disk cannot hold the output and temporaries of a streamed request (names both figures)."""
 
 
 class MemoryBudgetError(PayloadTooLargeError):

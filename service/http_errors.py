@@ -27,6 +27,7 @@ from service.errors import (
     DecodeError,
     EmptyBodyError,
     IdempotencyKeyReusedError,
+    InsufficientStorageError,
     JobNotFoundError,
     JobStateError,
     MemoryBudgetError,
@@ -85,6 +86,7 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     model_errors.BackendUnavailableError: (503, "backend_unavailable"),
     model_errors.ModelUnavailableError: (503, "model_unavailable"),
     model_errors.DeviceOutOfMemoryError: (503, "device_out_of_memory"),
+    InsufficientStorageError: (507, "insufficient_storage"),
 }
 #: Details that would leak internals are replaced.
 _GENERIC = {"device_out_of_memory": "the device ran out of memory; retry later"}
@@ -102,6 +104,7 @@ _HTTP_CODES = {
     415: "unsupported_media_type",
     422: "unprocessable",
     503: "unavailable",
+    507: "insufficient_storage",
 }
 
 

@@ -35,7 +35,16 @@ import numpy as np
 
 from service.codecs import OUTPUT_FORMATS, DecodedVolume, decode, default_format, encode
 from service.errors import BadParameterError, UnusableInputError
-from service.precheck import Limits, check_input, copies_input, input_bytes, model_shape, precheck
+from service.precheck import (
+    Limits,
+    check_input,
+    copies_input,
+    input_bytes,
+    model_shape,
+    precheck,
+    streamed_check,
+)
+from service.stages import RunOptions
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
@@ -261,7 +270,11 @@ def run_file(
     started = time.perf_counter()
     limits = limits or Limits()
     spec = model.spec
-    check_input(spec, source, limits)
+    streams = streamed_check(model, source, params) if tiled is None else None
+    header = check_input(spec, source, limits, streamed=streams)
+    if streams is not None and streams(header):  # read by region, written as it finishes
+        options = RunOptions(progress, should_stop, _plan_told(checkpoint))
+        return _run_streamed(model, source, header, params, limits, target_stem, options)
     volume = decode(
         source,
         max_voxels=limits.max_voxels,
@@ -311,3 +324,42 @@ def run_file(
         model_shape=run.mapping.model_shape,
         seam=run.seam,
     )
+
+
+def _plan_told(checkpoint: Checkpoint | None) -> Callable[[RunPlan], object] | None:
+    """A streamed job tells its progress the plan as a checkpointed one does (it starts at tile 0:
+    a streamed run that stops starts over)."""
+    on_start = getattr(checkpoint, "on_start", None)
+    if on_start is None:
+        return None
+
+    def told(plan: RunPlan) -> None:
+        from tiling import resume_point
+
+        on_start(plan, resume_point(plan.grid, 0, plan.batch_size))
+
+    return told
+
+
+def _run_streamed(
+    model: Model,
+    source: Path,
+    header: Any,
+    params: InferenceParams,
+    limits: Limits,
+    target_stem: Path,
+    options: RunOptions,
+) -> InferenceResult:
+    """The three stages of :mod:`service.stages` (prepare, execute, finish) in this thread."""
+    from service.stages import execute, finish, output_format, prepare
+
+    fmt = output_format(header.kind, model.spec, params)
+    path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
+    prepared = prepare(model, source, header, params, limits, path, fmt)
+    try:
+        execute(prepared, options)
+    except BaseException:
+        prepared.close()
+        path.unlink(missing_ok=True)
+        raise
+    return finish(prepared)

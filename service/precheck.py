@@ -9,6 +9,7 @@ grid's, from its affine) and refuses a plan over the budget before the request i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,15 @@ if TYPE_CHECKING:
     from models import InferenceParams, Model
     from service.budget import Budget
 
-__all__ = ["Limits", "check_input", "copies_input", "input_bytes", "model_shape", "precheck"]
+__all__ = [
+    "Limits",
+    "check_input",
+    "copies_input",
+    "input_bytes",
+    "model_shape",
+    "precheck",
+    "streamed_check",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +67,14 @@ class Limits:
         )
 
 
-def check_input(spec: Any, source: Path, limits: Limits) -> Probe:
+def check_input(
+    spec: Any, source: Path, limits: Limits, *, streamed: Callable[[Probe], bool] | None = None
+) -> Probe:
     """The input's header, checked against ``limits`` and the model before anything is decoded.
+
+    ``streamed(header)`` true: the input is read by region and never decoded whole
+    (:mod:`service.stages`), so the voxel, pixel and decompressed-byte limits (bomb guards of
+    whole decoding) do not apply; its cost is the plan's memory and the disk.
 
     Raises:
         PayloadTooLargeError: voxels, pixels or decompressed bytes over the limits (413).
@@ -67,9 +82,10 @@ def check_input(spec: Any, source: Path, limits: Limits) -> Probe:
         EmptyBodyError, UnsupportedMediaTypeError, DecodeError: see :func:`service.codecs.probe`.
     """
     header = probe(source)
-    header.check_limits(
-        max_voxels=limits.max_voxels, max_image_pixels=limits.max_image_pixels, max_bytes=limits.max_bytes
-    )
+    if streamed is None or not streamed(header):
+        header.check_limits(
+            max_voxels=limits.max_voxels, max_image_pixels=limits.max_image_pixels, max_bytes=limits.max_bytes
+        )
     header.check_model(int(spec.spatial_dims), spec.name, in_channels=int(spec.in_channels))
     return header
 
@@ -90,18 +106,45 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
     from models.footprint import Footprint
 
     spec = model.spec
-    header = check_input(spec, source, limits)
+    streams = streamed_check(model, source, params)
+    header = check_input(spec, source, limits, streamed=streams)
+    if streams(header):  # read by region: no input held, the disk holds the output
+        from service.sniff import sniff
+        from service.stages import check_disk, disk_bytes, output_format
+
+        labels = str(params.output or spec.defaults.output) == "labels"
+        gzipped = header.kind == "nifti" and sniff(source).gzipped
+        fmt = output_format(header.kind, spec, params)
+        check_disk(source.parent, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped))
     if limits.budget is not None:
         if params.merged(spec.defaults).halo == "auto":
             params = params.model_copy(update={"halo": 0})
         footprint = model.known_footprint or Footprint.estimate(int(spec.in_channels))
         held = {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
+        if streams(header):
+            held = {"input_bytes": 0, "copies_input": False}
         shape = model_shape(spec, header, params)
         plan = model.plan(shape, params, memory_budget=limits.memory_budget, footprint=footprint, **held)
         limits.budget.check_plan(
             plan, int(spec.in_channels), int(spec.out_channels), footprint=footprint, **held
         )
     return header
+
+
+def streamed_check(model: Model, source: Path, params: InferenceParams) -> Callable[[Probe], bool]:
+    """``header -> bool``: whether a request with this header is streamed (:mod:`service.stages`);
+    the answer for one header is kept (it may open the file)."""
+    from service.stages import output_format, why_not_streamed
+
+    answers: dict[int, bool] = {}
+
+    def streams(header: Probe) -> bool:
+        if id(header) not in answers:
+            fmt = output_format(header.kind, model.spec, params)
+            answers[id(header)] = why_not_streamed(model, header, params, fmt, source) is None
+        return answers[id(header)]
+
+    return streams
 
 
 def model_shape(spec: Any, header: Probe, params: InferenceParams) -> tuple[int, ...]:

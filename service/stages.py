@@ -1,0 +1,304 @@
+"""A request in three stages, with memory that follows the tile (issue 20 items 1-4).
+
+For an input that can be read by region (:mod:`service.regions`), a model whose preprocessing is
+local (:mod:`models.streamed_preprocess`) on its own grid, and an output that can be written as it
+finishes (:mod:`service.writers`), a request runs as three stages instead of decode-run-encode:
+
+- :func:`prepare`: the header (probed once, by admission), the disk check (507 when the disk
+  cannot hold the output and temporaries), the region source and its preprocessing statistics
+  (one streaming pass, when a step needs them), one plan, checked against the budget, and the
+  output file opened on disk;
+- :func:`execute`: only the tiled network passes, the plan's grid handed to the engine
+  (``tiling.tiled_inference(..., grid=)``), tiles read by region and written to the output file
+  as they finish;
+- :func:`finish`: the file completed (compressed, tiled) and described (:class:`InferenceResult`).
+
+Nothing input-sized is held in memory: the peak is the plan's (a batch of tiles, a row of the
+merger) plus the slabs of the statistics pass. :func:`why_not_streamed` says, in a sentence, why a
+request takes the whole-image path instead (:func:`service.pipeline.run_file` asks it); the two
+paths give the same file for the same request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from service.errors import InsufficientStorageError
+
+if TYPE_CHECKING:
+    from models import InferenceParams, Model, RunPlan
+    from service.codecs import Probe
+    from service.precheck import Limits
+    from service.writers import OutputTarget
+    from tiling import SeamStats
+
+__all__ = [
+    "Prepared",
+    "RunOptions",
+    "check_disk",
+    "disk_bytes",
+    "execute",
+    "finish",
+    "output_format",
+    "prepare",
+    "why_not_streamed",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """How one run is watched, in one object instead of parameters threaded through signatures.
+
+    Attributes:
+        progress: show a bar of tiles on stderr, or a callable called with each batch's tile count.
+        should_stop: asked before every batch; true stops the run (``tiling.RunCancelledError``).
+        on_plan: told the plan before its first tile runs (a job's ``tiles_total``).
+    """
+
+    progress: bool | Callable[[int], object] = False
+    should_stop: Callable[[], bool] | None = None
+    on_plan: Callable[[RunPlan], object] | None = None
+
+
+def output_format(kind: str, spec: Any, params: InferenceParams) -> str:
+    """The output format from the input's kind alone (:func:`service.pipeline.plan_format`'s
+    choice): the requested one, else the spec's default, else ``nii.gz`` for NIfTI, ``png`` for
+    labels, ``tiff`` for probabilities."""
+    output = str(params.output or spec.defaults.output)
+    fmt = params.format or spec.defaults.format
+    if fmt is not None:
+        return str(fmt)
+    if kind == "nifti":
+        return "nii.gz"
+    return "png" if output == "labels" else "tiff"
+
+
+def why_not_streamed(
+    model: Model, header: Probe, params: InferenceParams, fmt: str, source: Path, *, whole_only: bool = False
+) -> str | None:
+    """Why this request is decoded whole rather than streamed (a sentence), or ``None``.
+
+    ``whole_only``: the caller needs the whole-image path (a job's slab checkpoint, a Dask pass).
+    """
+    from models.params import OutputKind, Spacing, Tta
+    from models.streamed_preprocess import why_not_local
+    from service.regions import why_not_regions
+    from service.writers import why_not_streamed_output
+
+    spec = model.spec
+    p = params.merged(spec.defaults)
+    dims = int(spec.spatial_dims)
+    if whole_only:
+        return "a checkpointed or distributed run"
+    if header.spatial_dims != dims or (header.kind == "nifti" and dims != 3):
+        return "the input's dimensionality differs from the model's (a one-slice volume, a 2D NIfTI)"
+    if header.kind == "nifti" and header.channels > 1:
+        return "a 4D NIfTI"
+    geometry = spec.frame is not None or (spec.spacing is not None and p.spacing != Spacing.NATIVE)
+    if header.kind == "nifti" and (geometry or (spec.orientation is not None and dims == 3)):
+        return "the model resamples or reorients the input (its own grid)"
+    if p.tta is not None and p.tta != Tta.NONE:
+        return "test-time augmentation averages whole passes"
+    if p.halo == "auto":
+        return "halo=auto calibrates on the whole preprocessed image"
+    if model.context is not None:
+        return "a global-pooling model takes whole-image pool means"
+    reason = why_not_local(spec) or why_not_streamed_output(fmt, dims) or why_not_regions(source, header)
+    if reason is not None:
+        return reason
+    if p.output not in (OutputKind.LABELS, OutputKind.PROBABILITIES):  # pragma: no cover - enum
+        return f"output {p.output}"
+    return None
+
+
+def disk_bytes(header: Probe, fmt: str, out_channels: int, labels: bool, gzipped: bool) -> int:
+    """Bytes of disk a streamed run needs: the output (:func:`service.writers.output_disk_bytes`)
+    plus a ``.nii.gz`` input inflated to a temporary ``.nii``."""
+    from service.writers import output_disk_bytes
+
+    spatial = tuple(int(n) for n in header.spatial_shape)
+    dtype = np.uint8 if labels else np.float32
+    out = output_disk_bytes(fmt, spatial, 1 if labels else out_channels, dtype)
+    return out + (int(header.nbytes) if gzipped else 0)
+
+
+def check_disk(folder: Path, needed: int) -> None:
+    """Refuse a run whose output and temporaries the disk under ``folder`` cannot hold.
+
+    Raises:
+        InsufficientStorageError: fewer free bytes than ``needed`` (507).
+    """
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise InsufficientStorageError(
+            f"the output and temporaries need {needed / 2**20:.0f} MiB of disk; "
+            f"{free / 2**20:.0f} MiB are free"
+        )
+
+
+@dataclass
+class Prepared:
+    """A request ready for the device: what :func:`execute` runs and :func:`finish` completes."""
+
+    model: Model
+    header: Probe
+    params: InferenceParams
+    fmt: str
+    output_kind: str
+    plan: RunPlan
+    source: Any
+    target: OutputTarget
+    workdir: Path
+    seam: SeamStats | None
+    started: float
+    ran: RunPlan | None = None
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def close(self) -> None:
+        """Remove the temporaries (an inflated input, a raw output) and release the files."""
+        closer = getattr(getattr(self.source, "source", None), "close", None)
+        if callable(closer):
+            closer()
+        if self.target is not None and self.target.array is not None:
+            self.target.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def prepare(
+    model: Model,
+    source: Path,
+    header: Probe,
+    params: InferenceParams,
+    limits: Limits,
+    path: Path,
+    fmt: str,
+) -> Prepared:
+    """Stage 1: disk check, region source, preprocessing statistics, one plan (checked against
+    ``limits.budget``), the output opened at ``path``.
+
+    Raises:
+        InsufficientStorageError: the disk cannot hold output and temporaries (507).
+        OverBudgetError, MemoryBudgetError: the plan over the budget.
+        InputError, DecodeError: an input the model cannot take, a corrupt file.
+    """
+    from models.mapping import plan_mapping
+    from models.params import OutputKind
+    from models.streamed_preprocess import RegionPreprocessed
+    from service.regions import open_regions
+    from service.sniff import sniff
+    from service.writers import open_output
+
+    started = time.perf_counter()
+    spec = model.spec
+    p = params.merged(spec.defaults)
+    output_kind = str(p.output)
+    labels = p.output == OutputKind.LABELS
+    gzipped = header.kind == "nifti" and sniff(source).gzipped
+    folder = path.parent
+    check_disk(folder, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped))
+    tmp = tempfile.TemporaryDirectory(prefix=".tilewise-", dir=folder)
+    workdir = Path(tmp.name)
+    prepared: Prepared | None = None
+    try:
+        regions = open_regions(source, header, workdir)
+        affine = header.info.get("affine")
+        mapping = plan_mapping(_Shape(regions.shape), affine, spec, native=True)
+        x = RegionPreprocessed(regions, spec, as_float=mapping.as_float)
+        held = {"memory_budget": limits.memory_budget, "input_bytes": 0, "copies_input": False}
+        plan = model.plan(x.shape[1:], params, **held)
+        seam = model.seam_stats(plan)
+        if limits.budget is not None:
+            footprint = model.footprint()
+            limits.budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=0,
+                                     footprint=footprint, copies_input=False)  # fmt: skip
+        out_shape = tuple(plan.grid.out_shape)
+        nifti = None
+        if fmt in ("nii", "nii.gz") and header.kind == "nifti":
+            nifti = {"header": regions.nifti_header, "version": header.info.get("nifti_version", 1),
+                     "shape": header.info.get("shape")}  # fmt: skip
+        target = open_output(fmt, path, workdir, out_shape, int(spec.out_channels), np.uint8 if labels else
+                             np.float32, labels=labels, nifti=nifti, dpi=header.info.get("dpi"))  # fmt: skip
+        prepared = Prepared(model, header, params, fmt, output_kind, plan, x, target, workdir, seam, started,
+                            _tmp=tmp)  # fmt: skip
+        return prepared
+    finally:
+        if prepared is None:
+            tmp.cleanup()
+
+
+class _Shape:
+    """A stand-in with only ``shape`` (plan_mapping reads no voxel without a frame)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+
+def execute(prepared: Prepared, options: RunOptions | None = None) -> RunPlan:
+    """Stage 2 (the device thread): the tiled network passes of the prepared plan, tiles read by
+    region and written to the output file. Returns the plan that ran (smaller after running out
+    of device memory).
+
+    Raises:
+        InferenceError, RunCancelledError: see :meth:`models.Model.execute`.
+    """
+    options = options or RunOptions()
+    if options.on_plan is not None:
+        options.on_plan(prepared.plan)
+    ran = [prepared.plan]
+    prepared.model.execute(
+        prepared.source, prepared.plan, out=prepared.target.array, progress=options.progress,
+        should_stop=options.should_stop, seam=prepared.seam, replanned=ran.append,
+    )  # fmt: skip
+    prepared.ran = dataclasses.replace(ran[-1], output=prepared.plan.output)
+    return prepared.ran
+
+
+def finish(prepared: Prepared) -> Any:
+    """Stage 3: complete the output file, describe it, remove the temporaries.
+
+    Returns:
+        The :class:`service.pipeline.InferenceResult`.
+    """
+    from service.pipeline import MEDIA_TYPES, InferenceResult
+
+    try:
+        target = prepared.target
+        shape = tuple(int(n) for n in target.array.shape)
+        dtype = str(target.array.dtype)
+        path = target.finish()
+        plan = prepared.ran or prepared.plan
+        seconds = time.perf_counter() - prepared.started
+        spec = prepared.model.spec
+        logger.info("model=%s input=%s%s streamed output=%s%s %s plan=%s in %.3fs", spec.name,
+                    prepared.header.kind, tuple(prepared.source.shape), prepared.fmt, shape, dtype,
+                    plan.header(), seconds)  # fmt: skip
+        return InferenceResult(
+            path=path,
+            format=prepared.fmt,
+            media_type=MEDIA_TYPES[prepared.fmt],
+            input_shape=(int(prepared.header.channels), *(int(n) for n in prepared.header.spatial_shape)),
+            output_shape=shape,
+            output_dtype=dtype,
+            output_kind=prepared.output_kind,
+            seconds=seconds,
+            plan=plan,
+            size_bytes=path.stat().st_size,
+            model_shape=tuple(int(n) for n in prepared.source.shape[1:]),
+            seam=prepared.seam,
+        )
+    finally:
+        prepared.close()

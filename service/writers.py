@@ -1,0 +1,246 @@
+"""Streamed writes: outputs written as the engine's rows finish, never held whole (issue 20 item 3).
+
+:func:`open_output` gives an :class:`OutputTarget`: ``array`` is the engine's ``out`` (labels
+``(*spatial)``, values ``(C, *spatial)``), a :class:`~service.paged.PagedMemmap` on disk, and
+:meth:`OutputTarget.finish` makes the file. The bytes are what :func:`service.codecs.encode`
+writes for the same array (same header, layout and dtype), except TIFF, which is tiled:
+
+- ``nii``: the header is written first (the input NIfTI's, copied as ``encode_nifti`` does), the
+  voxels are mapped in place after it in NIfTI's order, and tiles land there directly.
+- ``nii.gz``: the same ``.nii`` in the request's folder, then compressed to the output as a
+  stream (a NIfTI's slabs along its last axis finish only when the last tile row does, so
+  compression cannot start earlier; the temporary is the output's uncompressed size).
+- ``npy``: the ``.npy`` file itself, memory-mapped.
+- ``tiff`` (2D): a raw temporary, then a tiled (256 x 256) zlib-compressed TIFF written tile by tile
+  from it; BigTIFF when the data reach 4 GB (:data:`BIGTIFF_BYTES`), never a broken classic TIFF.
+
+``png`` and 3D ``tiff`` outputs are not streamed (:func:`why_not_streamed_output`).
+:func:`output_disk_bytes` is what a streamed output needs on disk (the dry run's ``disk_bytes``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.paged import PagedMemmap, open_paged
+
+__all__ = [
+    "BIGTIFF_BYTES",
+    "TIFF_TILE",
+    "OutputTarget",
+    "open_output",
+    "output_disk_bytes",
+    "why_not_streamed_output",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Data bytes from which a TIFF is written as BigTIFF (classic TIFF offsets are 32-bit).
+BIGTIFF_BYTES = 2**32 - 2**25
+#: Tile edge of a streamed TIFF (pixels).
+TIFF_TILE = 256
+_COPY_CHUNK = 16 << 20
+
+
+def why_not_streamed_output(fmt: str, spatial_dims: int) -> str | None:
+    """Why an output of ``fmt`` cannot be written as it finishes (a sentence), or ``None``."""
+    if fmt == "png":
+        return "PNG is one compressed stream of whole rows: it is encoded from the whole output"
+    if fmt == "tiff" and spatial_dims != 2:
+        return "a 3D TIFF output is encoded whole"
+    return None
+
+
+def _nifti_shape(
+    volume_info: dict[str, Any], spatial: tuple[int, ...], channels: int, labels: bool
+) -> tuple[int, ...]:
+    """The output's NIfTI shape, as :func:`service.codecs.nifti._to_nifti_layout` makes it."""
+    if labels or channels == 1:
+        shape = tuple(volume_info.get("shape") or spatial)
+        if len(shape) > len(spatial) and math.prod(shape) == math.prod(spatial):
+            return shape
+        return spatial
+    return (*spatial, 1, channels) if len(spatial) == 2 else (*spatial, channels)
+
+
+def output_disk_bytes(fmt: str, spatial: tuple[int, ...], channels: int, dtype: Any) -> int:
+    """Bytes of disk a streamed output needs at its largest: the data (uncompressed; a compressed
+    output's temporary plus, at worst, as much again for the compressed file) plus headers."""
+    data = math.prod(spatial) * channels * np.dtype(dtype).itemsize
+    compressed = fmt in ("nii.gz", "tiff")
+    return data * (2 if compressed else 1) + (1 << 20)
+
+
+@dataclass
+class OutputTarget:
+    """Where the engine writes (``array``) and how it becomes the output file (:meth:`finish`).
+
+    Attributes:
+        array: labels ``(*spatial)`` or values ``(C, *spatial)`` on disk.
+        path: the output file.
+        fmt: its format.
+    """
+
+    array: PagedMemmap
+    path: Path
+    fmt: str
+    _root: PagedMemmap
+    _temporary: Path | None = None
+    _tiff: dict[str, Any] = field(default_factory=dict)
+
+    def finish(self) -> Path:
+        """Flush and write the output file; remove the temporaries. Returns :attr:`path`."""
+        self._root.flush()
+        if self.fmt == "nii.gz":
+            assert self._temporary is not None
+            _gzip(self._temporary, self.path)
+        elif self.fmt == "tiff":
+            _write_tiff(self.array, self.path, **self._tiff)
+        self.close()
+        return self.path
+
+    def close(self) -> None:
+        """Unmap the array and remove the temporary (the output file stays)."""
+        mm = getattr(self._root, "_mmap", None)
+        self.array = self._root = None  # type: ignore[assignment]
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # pragma: no cover - a view still alive; the GC closes it
+                pass
+        if self._temporary is not None:
+            self._temporary.unlink(missing_ok=True)
+
+
+def open_output(
+    fmt: str,
+    path: Path,
+    workdir: Path,
+    spatial: tuple[int, ...],
+    channels: int,
+    dtype: Any,
+    *,
+    labels: bool,
+    nifti: dict[str, Any] | None = None,
+    dpi: Any = None,
+) -> OutputTarget:
+    """Open the output of ``fmt`` at ``path`` for an engine output of ``spatial`` and ``channels``.
+
+    Args:
+        fmt: ``nii``, ``nii.gz``, ``npy`` or ``tiff`` (2D).
+        path: the output file.
+        workdir: the request's folder (temporaries).
+        spatial, channels, dtype: the output's spatial shape, channel count and dtype.
+        labels: a label map (``(*spatial)``, one channel).
+        nifti: for NIfTI outputs of a NIfTI input: ``header`` (the input's nibabel header),
+            ``version`` (1 or 2) and ``shape`` (the input's NIfTI shape).
+        dpi: a TIFF's resolution (from the input), or ``None``.
+    """
+    dtype = np.dtype(dtype)
+    spatial = tuple(int(n) for n in spatial)
+    if fmt in ("nii", "nii.gz"):
+        raw = path if fmt == "nii" else workdir / "output-raw.nii"
+        info = nifti or {}
+        shape = _nifti_shape(info, spatial, channels, labels)
+        offset = _write_nifti_header(raw, info, shape, dtype)
+        root = open_paged(raw, dtype, shape, mode="r+", offset=offset, order="F")
+        if labels or channels == 1:
+            grid = root.reshape(spatial, order="F")
+            array = grid if labels else grid[None]
+        else:
+            array = np.moveaxis(root.reshape((*spatial, channels), order="F"), -1, 0)
+        return OutputTarget(array, path, fmt, root, None if fmt == "nii" else raw)
+    if fmt == "npy":
+        shape = spatial if labels else (channels, *spatial)
+        npy = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+        offset = int(npy.offset)
+        del npy
+        root = open_paged(path, dtype, shape, mode="r+", offset=offset)
+        return OutputTarget(root, path, fmt, root)
+    if fmt == "tiff":
+        raw = workdir / "output-raw.bin"
+        shape = spatial if labels else (channels, *spatial)
+        root = open_paged(raw, dtype, shape, mode="w+")
+        return OutputTarget(root, path, fmt, root, raw, {"dpi": dpi})
+    raise ValueError(f"format {fmt!r} is not written as a stream")
+
+
+def _write_nifti_header(
+    path: Path, info: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype[Any]
+) -> int:
+    """Write the NIfTI header (and extensions) of the output and size the file; returns the
+    voxels' byte offset. The header is the input's, as :func:`service.codecs.nifti.encode_nifti`
+    writes it (geometry kept, data type and shape set, scaling reset, display range cleared);
+    without an input NIfTI, a NIfTI-1 header with an identity affine and both codes 0."""
+    import nibabel as nib
+
+    source = info.get("header")
+    if source is None:
+        image = nib.Nifti1Image(np.zeros((1,) * len(shape), dtype), np.eye(4))
+        header = image.header
+    else:
+        header = source.copy()
+        header.set_data_dtype(dtype)
+        header.set_slope_inter(1.0, 0.0)
+        header["cal_min"] = 0.0
+        header["cal_max"] = 0.0
+        cls = nib.Nifti2Image if int(info.get("version", 1)) == 2 else nib.Nifti1Image
+        image = cls(np.zeros((1,) * len(shape), dtype), None, header=header)
+        header = image.header
+    header.set_data_shape(shape)
+    image.update_header()
+    header.set_data_shape(shape)
+    header["scl_slope"], header["scl_inter"] = 1.0, 0.0  # what nibabel's writer stores for unscaled data
+    with open(path, "wb") as fh:
+        header.write_to(fh)
+        offset = int(header.get_data_offset())
+        if fh.tell() < offset:
+            fh.write(b"\0" * (offset - fh.tell()))
+        fh.truncate(offset + math.prod(shape) * dtype.itemsize)
+    return offset
+
+
+def _gzip(source: Path, target: Path) -> None:
+    """Compress ``source`` into ``target`` as a stream (nibabel's level)."""
+    with open(source, "rb") as src, gzip.open(target, "wb", compresslevel=1) as dst:
+        while chunk := src.read(_COPY_CHUNK):
+            dst.write(chunk)
+    os.utime(target)
+
+
+def _write_tiff(array: PagedMemmap, path: Path, *, dpi: Any = None) -> None:
+    """A tiled, zlib-compressed (Big)TIFF of ``array`` (``(H, W)`` or ``(C, H, W)``), tile by tile."""
+    import tifffile
+
+    planes = array[None] if array.ndim == 2 else array
+    channels, height, width = (int(n) for n in planes.shape)
+    t = TIFF_TILE
+
+    def tiles() -> Any:
+        for c in range(channels):
+            for y in range(0, height, t):
+                for x in range(0, width, t):
+                    block = np.asarray(planes[c, y : y + t, x : x + t])
+                    if block.shape != (t, t):
+                        block = np.pad(block, ((0, t - block.shape[0]), (0, t - block.shape[1])))
+                    yield block
+
+    kwargs: dict[str, Any] = {"photometric": "minisblack"}
+    if channels > 1:
+        kwargs["planarconfig"] = "separate"
+    if dpi is not None:
+        kwargs["resolution"] = tuple(dpi)
+        kwargs["resolutionunit"] = "INCH"
+    shape = (height, width) if array.ndim == 2 else (channels, height, width)
+    bigtiff = array.nbytes >= BIGTIFF_BYTES
+    tifffile.imwrite(path, tiles(), shape=shape, dtype=array.dtype, tile=(t, t), compression="zlib",
+                     bigtiff=bigtiff, **kwargs)  # fmt: skip
+    logger.info("wrote a tiled %sTIFF %s %s", "Big" if bigtiff else "", shape, array.dtype)
