@@ -13,7 +13,8 @@ batch's prediction)::
     batch buffers           2 * 4 * B * C_in * T                 (two with the prefetch thread)
     the network             F(T, B)
     accumulator (overlap)   4 * C_out * T_out[0] * prod(out_shape[1:])   (one slab of tile rows)
-    output                  4 * C_out * V_out (probabilities) or V_out (uint8 labels)
+    output                  4 * C_out * V_out (probabilities) or V_out (uint8 labels); at most
+                            STREAMED_OUTPUT_BYTES when it is written to disk as it finishes
     tta=mirror              + 4 * C_in * V (a flipped copy) + 2 * 4 * C_out * V_out (sum, pass)
 
 The request adds the decoded input itself (``input_bytes``). E.g. ``gaussian-3d`` (73 B per voxel
@@ -33,9 +34,12 @@ from models.footprint import Footprint
 from models.params import OutputKind
 from models.plan import RunPlan
 
-__all__ = ["network_seconds", "peak_bytes"]
+__all__ = ["STREAMED_OUTPUT_BYTES", "network_seconds", "peak_bytes"]
 
 _F32 = 4
+#: Resident bytes of an output written to disk as it finishes (``output_on_disk``): the pages a
+#: memory-mapped output holds before they are handed back (``service.paged``).
+STREAMED_OUTPUT_BYTES = 64 << 20
 
 
 def peak_bytes(
@@ -46,6 +50,7 @@ def peak_bytes(
     *,
     input_bytes: int = 0,
     copies_input: bool = True,
+    output_on_disk: bool = False,
 ) -> int:
     """Bytes a run of ``plan`` holds at its peak (see the module docstring).
 
@@ -56,6 +61,8 @@ def peak_bytes(
         input_bytes: the decoded input's bytes, held beside the run.
         copies_input: whether preprocessing makes a float32 copy of the input (``False`` when the
             decoded input is float32 and the spec has no preprocessing step).
+        output_on_disk: the output is written to a file as it finishes (a streamed request):
+            it holds at most :data:`STREAMED_OUTPUT_BYTES`.
     """
     fp = footprint or Footprint.estimate(in_channels)
     grid = plan.grid
@@ -70,7 +77,8 @@ def peak_bytes(
     if grid.blended:
         total += _F32 * out_channels * grid.out_tile_shape[0] * math.prod(grid.out_shape[1:])
     labels = plan.output == OutputKind.LABELS
-    total += out_voxels if labels else _F32 * out_channels * out_voxels
+    out_bytes = out_voxels if labels else _F32 * out_channels * out_voxels
+    total += min(out_bytes, STREAMED_OUTPUT_BYTES) if output_on_disk else out_bytes
     if len(plan.flips) > 1:
         total += _F32 * in_channels * voxels + 2 * _F32 * out_channels * out_voxels
     return int(total)

@@ -145,6 +145,7 @@ class Model:
         calibrate: bool = True,
         input_bytes: int = 0,
         copies_input: bool = True,
+        output_on_disk: bool = False,
     ) -> RunPlan:
         """Resolve ``params`` against the spec's defaults and plan the tile grid, once per request.
 
@@ -167,7 +168,8 @@ class Model:
                 receptive-field radius, else 0.
             input_bytes, copies_input: the decoded input held beside the run, and whether
                 preprocessing copies it (what the budget counts besides the plan;
-                :func:`models.cost.peak_bytes`).
+                :func:`models.cost.peak_bytes`); ``output_on_disk``: the output is written to a
+                file as it finishes (a streamed request).
 
         Raises:
             InputError: ``spatial_shape`` or ``sample`` does not fit the model.
@@ -221,6 +223,7 @@ class Model:
             verify=verify,
             input_bytes=input_bytes,
             copies_input=copies_input,
+            output_on_disk=output_on_disk,
         )
         warning = self.seams.halo_warning(sized.grid, sized.halo) if source == "given" else None
         if sized.budget_unmet is not None:

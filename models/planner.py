@@ -188,6 +188,7 @@ def size_plan(
     verify: Callable[[tuple[int, ...]], HaloRule | None] | None = None,
     input_bytes: int = 0,
     copies_input: bool = True,
+    output_on_disk: bool = False,
 ) -> Sizing:
     """Apply the rules of the module docstring; ``halo_of(tile)`` is the halo a tile limit gets.
 
@@ -195,8 +196,9 @@ def size_plan(
     at most 2.4 voxels per input voxel without a budget needs neither). ``verify(tile)``, when
     given, checks a tile other than the starting one (``halo="auto"``: calibrated at that tile,
     some networks being exact only at some tile sizes) and returns the halo rule to plan it with,
-    or ``None`` to keep the starting tile. ``input_bytes`` and ``copies_input`` are the request's
-    own (:func:`models.cost.peak_bytes`): a budget bounds the whole request.
+    or ``None`` to keep the starting tile. ``input_bytes``, ``copies_input`` and
+    ``output_on_disk`` are the request's own (:func:`models.cost.peak_bytes`): a budget bounds the
+    whole request.
     """
     rules = [halo_of]  # the rule in force: a verified tile may bring its own
 
@@ -220,7 +222,7 @@ def size_plan(
                        grid, tta)  # fmt: skip
         fp = footprint()
         peak = peak_bytes(plan, spec.in_channels, spec.out_channels, fp, input_bytes=input_bytes,
-                          copies_input=copies_input)  # fmt: skip
+                          copies_input=copies_input, output_on_disk=output_on_disk)  # fmt: skip
         return peak, network_seconds(plan, fp)
 
     sizer = Sizer(tile, spec.alignment, aligned_extent(shape, spec.alignment), plan_grid, cost)

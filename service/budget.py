@@ -80,6 +80,7 @@ class Budget:
         input_bytes: int = 0,
         footprint: Any = None,
         copies_input: bool = True,
+        output_on_disk: bool = False,
     ) -> int:
         """Refuse ``plan`` (a :class:`~models.RunPlan`) if it costs more than this budget.
 
@@ -90,6 +91,7 @@ class Budget:
             footprint: the network's measured :class:`~models.footprint.Footprint` (default: an
                 estimate).
             copies_input: whether preprocessing copies the input (:func:`models.cost.peak_bytes`).
+            output_on_disk: the output is written to disk as it finishes (a streamed request).
 
         Returns:
             the predicted peak memory (bytes).
@@ -119,8 +121,9 @@ class Budget:
                 "smaller halo or overlap"
             )
         need = peak_bytes(
-            plan, in_channels, out_channels, footprint, input_bytes=input_bytes, copies_input=copies_input
-        )
+            plan, in_channels, out_channels, footprint, input_bytes=input_bytes, copies_input=copies_input,
+            output_on_disk=output_on_disk,
+        )  # fmt: skip
         if self.max_bytes is not None and need > self.max_bytes:
             raise MemoryBudgetError(
                 f"the request would hold about {need} bytes ({_size(need)}: {what}, "

@@ -13,6 +13,8 @@ decoded input included; :func:`models.cost.peak_bytes` from the footprint measur
 ``eta_s`` the predicted network time (the throughput measured at warm-up). Beyond the design's keys:
 ``tile_source`` and ``halo_source`` (where they came from), ``memory_budget``, ``footprint`` (the
 measured figures), ``over_budget`` (``null``, or why the server would refuse the request) and
+``streamed`` (whether the input is read by region and the output written as it finishes,
+:mod:`service.stages`), ``disk_bytes`` (disk for the output and temporaries) and
 ``warning`` (``null``, or what ``X-Tilewise-Warning`` would say: a halo below the receptive-field
 radius, or a memory budget that no plan meets).
 ``halo="auto"`` takes the halo last calibrated for the tile (calibrating runs the network).
@@ -23,8 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from service.errors import MemoryBudgetError, OverBudgetError
-from service.precheck import Limits, check_input, copies_input, input_bytes, model_shape
+from service.precheck import Limits, check_input, held_beside, model_shape, streamed_check
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model
@@ -43,10 +47,11 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
     from models.cost import network_seconds, peak_bytes
 
     spec = model.spec
-    header = check_input(spec, source, limits)
+    streams = streamed_check(model, source, params)
+    header = check_input(spec, source, limits, streamed=streams)
     shape = model_shape(spec, header, params)
     footprint = model.footprint()
-    held = {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
+    held = held_beside(spec, header, streamed=streams(header))
     plan = model.plan(
         shape, params, memory_budget=limits.memory_budget, footprint=footprint, calibrate=False, **held
     )
@@ -58,6 +63,7 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
             over = str(exc)
     peak = peak_bytes(plan, spec.in_channels, spec.out_channels, footprint, **held)
     grid = plan.grid
+    disk = _disk_bytes(model, source, header, params, streamed=streams(header))
     return {
         "model": spec.name,
         "input_shape": list(header.spatial_shape),
@@ -79,4 +85,22 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
         "footprint": footprint.describe(),
         "over_budget": over,
         "warning": plan.warning,
+        "streamed": streams(header),
+        "disk_bytes": disk,
     }
+
+
+def _disk_bytes(model: Model, source: Path, header: Any, params: InferenceParams, *, streamed: bool) -> int:
+    """Bytes of disk the request needs: a streamed one's output and temporaries
+    (:func:`service.stages.disk_bytes`), else its uncompressed output."""
+    from service.sniff import sniff
+    from service.stages import disk_bytes, output_format
+
+    spec = model.spec
+    labels = str(params.output or spec.defaults.output) == "labels"
+    fmt = output_format(header.kind, spec, params)
+    gzipped = streamed and header.kind == "nifti" and sniff(source).gzipped
+    if streamed:
+        return disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped)
+    voxels = int(np.prod(header.spatial_shape))
+    return voxels * (1 if labels else 4 * int(spec.out_channels))

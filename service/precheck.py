@@ -26,6 +26,7 @@ __all__ = [
     "Limits",
     "check_input",
     "copies_input",
+    "held_beside",
     "input_bytes",
     "model_shape",
     "precheck",
@@ -120,9 +121,7 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
         if params.merged(spec.defaults).halo == "auto":
             params = params.model_copy(update={"halo": 0})
         footprint = model.known_footprint or Footprint.estimate(int(spec.in_channels))
-        held = {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
-        if streams(header):
-            held = {"input_bytes": 0, "copies_input": False}
+        held = held_beside(spec, header, streamed=streams(header))
         shape = model_shape(spec, header, params)
         plan = model.plan(shape, params, memory_budget=limits.memory_budget, footprint=footprint, **held)
         limits.budget.check_plan(
@@ -158,6 +157,15 @@ def model_shape(spec: Any, header: Probe, params: InferenceParams) -> tuple[int,
         shape = shape[:2]
     native = params.spacing == "native"
     return tuple(header_model_shape(shape, header.info.get("affine"), spec, native=native))
+
+
+def held_beside(spec: Any, header: Probe, *, streamed: bool) -> dict[str, Any]:
+    """What a request holds beside its plan, as :func:`models.cost.peak_bytes` takes it: the
+    decoded input and its float copy; a streamed request (:mod:`service.stages`) neither, and its
+    output is on disk."""
+    if streamed:
+        return {"input_bytes": 0, "copies_input": False, "output_on_disk": True}
+    return {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
 
 
 def input_bytes(header: Probe) -> int:

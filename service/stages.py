@@ -198,6 +198,7 @@ def prepare(
     from models.mapping import plan_mapping
     from models.params import OutputKind
     from models.streamed_preprocess import RegionPreprocessed
+    from service.precheck import held_beside
     from service.regions import open_regions
     from service.sniff import sniff
     from service.writers import open_output
@@ -218,13 +219,13 @@ def prepare(
         affine = header.info.get("affine")
         mapping = plan_mapping(_Shape(regions.shape), affine, spec, native=True)
         x = RegionPreprocessed(regions, spec, as_float=mapping.as_float)
-        held = {"memory_budget": limits.memory_budget, "input_bytes": 0, "copies_input": False}
-        plan = model.plan(x.shape[1:], params, **held)
+        held = held_beside(spec, header, streamed=True)
+        plan = model.plan(x.shape[1:], params, memory_budget=limits.memory_budget, **held)
         seam = model.seam_stats(plan)
         if limits.budget is not None:
             footprint = model.footprint()
-            limits.budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels), input_bytes=0,
-                                     footprint=footprint, copies_input=False)  # fmt: skip
+            limits.budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels),
+                                     footprint=footprint, **held)  # fmt: skip
         out_shape = tuple(plan.grid.out_shape)
         nifti = None
         if fmt in ("nii", "nii.gz") and header.kind == "nifti":
