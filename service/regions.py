@@ -119,7 +119,7 @@ class TiffRegions(RegionSource):
 
     Args:
         path: the TIFF.
-        header: the input's :class:`~service.codecs.Probe` (``info["axes"]``, ``info["shape"]``).
+        header: the input's :class:`~service.codecs.Probe` (unused: the series is read again).
     """
 
     def __init__(self, path: Path, header: Any) -> None:
@@ -132,7 +132,9 @@ class TiffRegions(RegionSource):
         store = tifffile.imread(path, aszarr=True, series=0, level=0)
         self._store = store
         self.array = zarr.open(store, mode="r")
-        axes, shape = str(header.info["axes"]), tuple(int(n) for n in header.info["shape"])
+        with tifffile.TiffFile(path) as tif:
+            series = tif.series[0]
+            axes, shape = str(series.axes), tuple(int(n) for n in series.shape)
         if tuple(self.array.shape) != shape:
             raise DecodeError(f"TIFF series of shape {shape}, zarr store of {tuple(self.array.shape)}")
         spatial, channels, keep, channel = _tiff_layout(axes, shape)

@@ -239,7 +239,7 @@ def _write_tiff(array: PagedMemmap, path: Path, *, dpi: Any = None) -> None:
     if dpi is not None:
         kwargs["resolution"] = tuple(dpi)
         kwargs["resolutionunit"] = "INCH"
-    shape = (height, width) if array.ndim == 2 else (channels, height, width)
+    shape = (height, width) if channels == 1 else (channels, height, width)  # as encode_tiff
     bigtiff = array.nbytes >= BIGTIFF_BYTES
     tifffile.imwrite(path, tiles(), shape=shape, dtype=array.dtype, tile=(t, t), compression="zlib",
                      bigtiff=bigtiff, **kwargs)  # fmt: skip
