@@ -72,8 +72,8 @@ def _ct(path: Path, shape: tuple[int, int, int]) -> None:
     path.with_suffix(".raw").unlink()
 
 
-def _page(y: int, x: int, y0: int, y1: int) -> np.ndarray:
-    """Rows ``y0:y1`` of a ``(y, x)`` uint8 grey document-like image (text-like stripes, noise)."""
+def _page(x: int, y0: int, y1: int) -> np.ndarray:
+    """Rows ``y0:y1`` of a ``(rows, x)`` uint8 grey document-like image (text-like stripes, noise)."""
     rows = np.arange(y0, y1)[:, None]
     cols = np.arange(x)[None, :]
     ink = ((rows // 7) % 5 == 0) & ((cols // 11) % 3 != 0)
@@ -87,7 +87,7 @@ def _tiled_tiff(path: Path, size: int, tile: int = 512) -> None:
 
     def tiles() -> Any:
         for ty in range(0, size, tile):
-            band = _page(size, size, ty, min(size, ty + tile))
+            band = _page(size, ty, min(size, ty + tile))
             band = np.pad(band, ((0, tile - band.shape[0]), (0, 0)))
             for tx in range(0, size, tile):
                 block = band[:, tx : tx + tile]
@@ -100,7 +100,7 @@ def _tiled_tiff(path: Path, size: int, tile: int = 512) -> None:
 def _striped_tiff(path: Path, size: int) -> None:
     import tifffile
 
-    data = _page(size, size, 0, size)
+    data = _page(size, 0, size)
     tifffile.imwrite(path, data, rowsperstrip=64, compression="zlib", photometric="minisblack")
 
 
@@ -119,7 +119,7 @@ def make(folder: Path, quick: bool) -> None:
     _ct(folder / "ct800.nii", (512 // n, 512 // n, 800 // n))
     _tiled_tiff(folder / "slide40k.tif", 40_000 // n // (4 if quick else 1))
     _striped_tiff(folder / "page12k.tif", 12_000 // n)
-    Image.fromarray(_page(12_000 // n, 12_000 // n, 0, 12_000 // n)).save(folder / "page12k.png")
+    Image.fromarray(_page(12_000 // n, 0, 12_000 // n)).save(folder / "page12k.png")
 
 
 def _window_diff(output: Path, source: Path, windows: int, seed: int = 0) -> float:
@@ -132,7 +132,9 @@ def _window_diff(output: Path, source: Path, windows: int, seed: int = 0) -> flo
     header = probe(source)
     tmp = output.parent / ".oracle"
     tmp.mkdir(exist_ok=True)
-    regions: Any = decode(source).data if header.kind in ("png", "jpeg") else open_regions(source, header, tmp)
+    regions: Any = (
+        decode(source).data if header.kind in ("png", "jpeg") else open_regions(source, header, tmp)
+    )
     out = _open_output(output)
     spatial = tuple(int(n) for n in header.spatial_shape)
     rng = np.random.default_rng(seed)
@@ -142,7 +144,9 @@ def _window_diff(output: Path, source: Path, windows: int, seed: int = 0) -> flo
         lo = [int(rng.integers(0, n - s + 1)) for n, s in zip(spatial, size, strict=True)]
         a = [max(0, lo_ - RADIUS) for lo_ in lo]
         b = [min(n, lo_ + s + RADIUS) for lo_, s, n in zip(lo, size, spatial, strict=True)]
-        block = regions[(slice(None), *(slice(i, j) for i, j in zip(a, b, strict=True)))][0].astype(np.float64)
+        block = regions[(slice(None), *(slice(i, j) for i, j in zip(a, b, strict=True)))][0].astype(
+            np.float64
+        )
         ref = ndi.gaussian_filter(block, SIGMA, truncate=4.0, mode="constant")
         crop = tuple(slice(lo_ - i, lo_ - i + s) for lo_, i, s in zip(lo, a, size, strict=True))
         got = np.asarray(out[tuple(slice(lo_, lo_ + s) for lo_, s in zip(lo, size, strict=True))], np.float64)
@@ -164,7 +168,9 @@ def _open_output(path: Path) -> Any:
     return zarr.open(tifffile.imread(path, aszarr=True), mode="r")
 
 
-def measure(model_name: str, source: Path, output: Path, max_image_pixels: int | None, windows: int) -> dict[str, Any]:
+def measure(
+    model_name: str, source: Path, output: Path, max_image_pixels: int | None, windows: int
+) -> dict[str, Any]:
     """The figures of one case, measured in this process (see the module docstring)."""
     from models import ModelRepository
     from models.params import parse_params

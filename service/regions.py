@@ -74,7 +74,10 @@ class NiftiRegions(RegionSource):
     def __init__(self, path: Path, header: Any) -> None:
         import nibabel as nib
 
-        image = nib.load(str(path))
+        try:
+            image = nib.load(str(path))
+        except (OSError, ValueError, nib.spatialimages.HeaderDataError) as exc:
+            raise DecodeError(f"corrupt NIfTI header: {exc}") from exc
         proxy = image.dataobj
         self.path = path
         self.nifti_header = image.header
@@ -82,8 +85,9 @@ class NiftiRegions(RegionSource):
         self.stored = np.dtype(proxy.dtype)
         spatial, channels = tuple(header.spatial_shape), int(header.channels)
         self.file_shape = (*spatial, channels)  # Fortran order, as decode reshapes it
-        slope, inter = image.header.get_slope_inter()
-        self.slope, self.inter = (1.0, 0.0) if slope is None else (float(slope), float(inter or 0.0))
+        # the loaded header's scaling is moved into the proxy (nibabel resets the header's fields)
+        slope, inter = float(np.asarray(proxy.slope)), float(np.asarray(proxy.inter))
+        self.slope, self.inter = (slope, inter) if np.isfinite(slope) and slope != 0 else (1.0, 0.0)
         sample = self._scaled(np.zeros(1, self.stored))
         self.dtype = sample.dtype
         self.shape = (channels, *spatial)
@@ -122,7 +126,7 @@ class TiffRegions(RegionSource):
         header: the input's :class:`~service.codecs.Probe` (unused: the series is read again).
     """
 
-    def __init__(self, path: Path, header: Any) -> None:
+    def __init__(self, path: Path, header: Any) -> None:  # noqa: ARG002 - one signature for both readers
         import tifffile
         import zarr
 
