@@ -175,7 +175,10 @@ def measure(
     from models import ModelRepository
     from models.params import parse_params
     from models.rss import fix_mmap_threshold, peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
-    from service.admission import admit
+    try:
+        from service.admission import admit
+    except ImportError:  # a tilewise from before admission (the "before" figures)
+        admit = None
     from service.codecs import configure_pillow
     from service.pipeline import Limits, run_file
     from service.settings import Settings
@@ -199,7 +202,8 @@ def measure(
     started = time.perf_counter()
     answer: dict[str, Any] = {"model": model_name, "input": source.name, "output": output.name}
     try:
-        admit(repository, model_name, source, params, limits)
+        if admit is not None:
+            admit(repository, model_name, source, params, limits)
         suffix = ".nii.gz" if output.name.endswith(".nii.gz") else output.suffix
         stem = output.with_name(output.name[: -len(suffix)])
         result = run_file(model, source, stem, params, limits=limits)

@@ -31,6 +31,7 @@ __all__ = [
     "OutputFormat",
     "OutputKind",
     "PerAxis",
+    "ProbabilityDtype",
     "REQUEST_ONLY",
     "Spacing",
     "StrEnum",
@@ -85,6 +86,15 @@ class OutputFormat(StrEnum):
     def suffix(self) -> str:
         """``".nii.gz"`` for ``nii.gz`` and so on."""
         return "." + self.value
+
+
+class ProbabilityDtype(StrEnum):
+    """dtype of a probability output file: ``float32``; ``float16``; ``uint8`` = round(255 * p),
+    the values clipped to [0, 1] first (for outputs that must fit: a quarter of float32's bytes)."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    UINT8 = "uint8"
 
 
 class Tta(StrEnum):
@@ -250,6 +260,11 @@ class InferenceParams(BaseModel):
         default=None,
         description="Output format. Default: nii.gz for NIfTI input; png for labels and tiff "
         "(float32) for probabilities otherwise.",
+    )
+    output_dtype: Annotated[ProbabilityDtype | None, _choice(ProbabilityDtype)] = Field(
+        default=None,
+        description="dtype of probability outputs: `float32` (default), `float16`, or `uint8` "
+        "(probabilities scaled to 0-255); labels are unaffected.",
     )
     tta: Annotated[Tta, _choice(Tta)] = Field(
         default=Tta.NONE,

@@ -64,9 +64,13 @@ def check_request(spec: Any, params: InferenceParams) -> None:
 
     Raises:
         BadParameterError: ``format=png`` (asked, or the spec's default) for a model whose output
-            is not 2D.
+            is not 2D; an ``output_dtype`` the format cannot store.
     """
+    from service.writers import check_output_dtype
+
     fmt = params.format or spec.defaults.format
+    if fmt is not None:
+        check_output_dtype(str(fmt), params)
     if fmt is not None and str(fmt) == "png" and int(spec.spatial_dims) != 2:
         raise BadParameterError(
             f"format=png needs a 2D output; model {spec.name!r} is 3D (use nii.gz or tiff)"

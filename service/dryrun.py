@@ -95,12 +95,13 @@ def _disk_bytes(model: Model, source: Path, header: Any, params: InferenceParams
     (:func:`service.stages.disk_bytes`), else its uncompressed output."""
     from service.sniff import sniff
     from service.stages import disk_bytes, output_format
+    from service.writers import output_dtype
 
     spec = model.spec
     labels = str(params.output or spec.defaults.output) == "labels"
     fmt = output_format(header.kind, spec, params)
     gzipped = streamed and header.kind == "nifti" and sniff(source).gzipped
     if streamed:
-        return disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped)
+        return disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped, output_dtype(params, labels))
     voxels = int(np.prod(header.spatial_shape))
-    return voxels * (1 if labels else 4 * int(spec.out_channels))
+    return voxels * (1 if labels else output_dtype(params, labels).itemsize * int(spec.out_channels))

@@ -19,10 +19,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DROP_BYTES", "PagedMemmap", "open_paged"]
+from models.cost import STREAMED_OUTPUT_BYTES
 
-#: Bytes of pages touched between two ``MADV_DONTNEED`` (64 MiB).
-DROP_BYTES = 64 << 20
+__all__ = ["DROP_BYTES", "PagedMemmap", "open_paged", "unit_to_uint8"]
+
+#: Bytes of pages touched between two ``MADV_DONTNEED`` (64 MiB: what the cost model counts for
+#: an output on disk).
+DROP_BYTES = STREAMED_OUTPUT_BYTES
 _PAGE = mmap.PAGESIZE
 
 
@@ -39,12 +42,17 @@ class PagedMemmap(np.memmap):
     module docstring). Make one with :func:`open_paged`."""
 
     _counter: _Counter | None = None
+    #: Values written are probabilities stored as uint8: ``round(255 * clip(p, 0, 1))``.
+    _unit_to_uint8: bool = False
 
     def __array_finalize__(self, obj: Any) -> None:
         super().__array_finalize__(obj)
         self._counter = getattr(obj, "_counter", None)
+        self._unit_to_uint8 = getattr(obj, "_unit_to_uint8", False)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if self._unit_to_uint8:
+            value = unit_to_uint8(np.asarray(value))
         super().__setitem__(key, value)
         self._touch(np.ndarray.__getitem__(self, key))
 
@@ -80,6 +88,14 @@ class PagedMemmap(np.memmap):
             mm = getattr(self, "_mmap", None)
             if mm is not None and not mm.closed:
                 mm.madvise(mmap.MADV_DONTNEED)
+
+
+def unit_to_uint8(values: np.ndarray) -> np.ndarray:
+    """Probabilities as uint8: ``round(255 * clip(p, 0, 1))`` (NaN as 0)."""
+    if values.dtype == np.uint8:
+        return values
+    scaled = np.rint(np.clip(np.nan_to_num(values.astype(np.float32, copy=False)), 0.0, 1.0) * 255.0)
+    return scaled.astype(np.uint8)
 
 
 def _touched_bytes(view: np.ndarray) -> int:

@@ -272,6 +272,10 @@ def run_file(
     spec = model.spec
     streams = streamed_check(model, source, params) if tiled is None else None
     header = check_input(spec, source, limits, streamed=streams)
+    from service.stages import output_format
+    from service.writers import check_output_dtype
+
+    check_output_dtype(output_format(header.kind, spec, params), params)
     if streams is not None and streams(header):  # read by region, written as it finishes
         options = RunOptions(progress, should_stop, _plan_told(checkpoint))
         return _run_streamed(model, source, header, params, limits, target_stem, options)
@@ -294,6 +298,10 @@ def run_file(
         limits=limits,
     )
     array, plan = run.result, run.plan
+    if run.plan.output != "labels":
+        from service.writers import output_dtype, to_output_dtype
+
+        array = to_output_dtype(array, output_dtype(params, False))
     if plan.warning:
         logger.warning("model %s: %s", spec.name, plan.warning)
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])

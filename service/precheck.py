@@ -109,14 +109,20 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
     spec = model.spec
     streams = streamed_check(model, source, params)
     header = check_input(spec, source, limits, streamed=streams)
+    from service.stages import output_format
+    from service.writers import check_output_dtype
+
+    check_output_dtype(output_format(header.kind, spec, params), params)
     if streams(header):  # read by region: no input held, the disk holds the output
         from service.sniff import sniff
         from service.stages import check_disk, disk_bytes, output_format
+        from service.writers import output_dtype
 
         labels = str(params.output or spec.defaults.output) == "labels"
         gzipped = header.kind == "nifti" and sniff(source).gzipped
         fmt = output_format(header.kind, spec, params)
-        check_disk(source.parent, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped))
+        dtype = output_dtype(params, labels)
+        check_disk(source.parent, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped, dtype))
     if limits.budget is not None:
         if params.merged(spec.defaults).halo == "auto":
             params = params.model_copy(update={"halo": 0})

@@ -123,13 +123,15 @@ def why_not_streamed(
     return None
 
 
-def disk_bytes(header: Probe, fmt: str, out_channels: int, labels: bool, gzipped: bool) -> int:
+def disk_bytes(
+    header: Probe, fmt: str, out_channels: int, labels: bool, gzipped: bool, dtype: Any = None
+) -> int:
     """Bytes of disk a streamed run needs: the output (:func:`service.writers.output_disk_bytes`)
     plus a ``.nii.gz`` input inflated to a temporary ``.nii``."""
     from service.writers import output_disk_bytes
 
     spatial = tuple(int(n) for n in header.spatial_shape)
-    dtype = np.uint8 if labels else np.float32
+    dtype = np.uint8 if labels else (dtype or np.float32)
     out = output_disk_bytes(fmt, spatial, 1 if labels else out_channels, dtype)
     return out + (int(header.nbytes) if gzipped else 0)
 
@@ -201,7 +203,7 @@ def prepare(
     from service.precheck import held_beside
     from service.regions import open_regions
     from service.sniff import sniff
-    from service.writers import open_output
+    from service.writers import open_output, output_dtype
 
     started = time.perf_counter()
     spec = model.spec
@@ -210,7 +212,8 @@ def prepare(
     labels = p.output == OutputKind.LABELS
     gzipped = header.kind == "nifti" and sniff(source).gzipped
     folder = path.parent
-    check_disk(folder, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped))
+    dtype = output_dtype(params, labels)
+    check_disk(folder, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped, dtype))
     tmp = tempfile.TemporaryDirectory(prefix=".tilewise-", dir=folder)
     workdir = Path(tmp.name)
     prepared: Prepared | None = None
@@ -231,8 +234,9 @@ def prepare(
         if fmt in ("nii", "nii.gz") and header.kind == "nifti":
             nifti = {"header": regions.nifti_header, "version": header.info.get("nifti_version", 1),
                      "shape": header.info.get("shape")}  # fmt: skip
-        target = open_output(fmt, path, workdir, out_shape, int(spec.out_channels), np.uint8 if labels else
-                             np.float32, labels=labels, nifti=nifti, dpi=header.info.get("dpi"))  # fmt: skip
+        to_uint8 = dtype == np.uint8 and not labels
+        target = open_output(fmt, path, workdir, out_shape, int(spec.out_channels), dtype, labels=labels,
+                             nifti=nifti, dpi=header.info.get("dpi"), unit_to_uint8=to_uint8)  # fmt: skip
         prepared = Prepared(model, header, params, fmt, output_kind, plan, x, target, workdir, seam, started,
                             _tmp=tmp)  # fmt: skip
         return prepared

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from service.paged import PagedMemmap, open_paged
+from service.paged import PagedMemmap, open_paged, unit_to_uint8
 
 __all__ = [
     "BIGTIFF_BYTES",
@@ -38,6 +38,9 @@ __all__ = [
     "OutputTarget",
     "open_output",
     "output_disk_bytes",
+    "check_output_dtype",
+    "output_dtype",
+    "to_output_dtype",
     "why_not_streamed_output",
 ]
 
@@ -131,6 +134,7 @@ def open_output(
     labels: bool,
     nifti: dict[str, Any] | None = None,
     dpi: Any = None,
+    unit_to_uint8: bool = False,
 ) -> OutputTarget:
     """Open the output of ``fmt`` at ``path`` for an engine output of ``spatial`` and ``channels``.
 
@@ -143,7 +147,18 @@ def open_output(
         nifti: for NIfTI outputs of a NIfTI input: ``header`` (the input's nibabel header),
             ``version`` (1 or 2) and ``shape`` (the input's NIfTI shape).
         dpi: a TIFF's resolution (from the input), or ``None``.
+        unit_to_uint8: probabilities written as ``round(255 * p)`` (``output_dtype=uint8``).
     """
+    target = _open(fmt, path, workdir, spatial, channels, dtype, labels, nifti, dpi)
+    target._root._unit_to_uint8 = unit_to_uint8
+    target.array._unit_to_uint8 = unit_to_uint8
+    return target
+
+
+def _open(
+    fmt: str, path: Path, workdir: Path, spatial: tuple[int, ...], channels: int, dtype: Any, labels: bool,
+    nifti: dict[str, Any] | None, dpi: Any,
+) -> OutputTarget:  # fmt: skip
     dtype = np.dtype(dtype)
     spatial = tuple(int(n) for n in spatial)
     if fmt in ("nii", "nii.gz"):
@@ -171,6 +186,37 @@ def open_output(
         root = open_paged(raw, dtype, shape, mode="w+")
         return OutputTarget(root, path, fmt, root, raw, {"dpi": dpi})
     raise ValueError(f"format {fmt!r} is not written as a stream")
+
+
+def output_dtype(params: Any, labels: bool) -> np.dtype[Any]:
+    """The output's dtype: uint8 labels; probabilities per ``output_dtype`` (float32 default)."""
+    if labels:
+        return np.dtype(np.uint8)
+    return np.dtype(str(params.output_dtype or "float32"))
+
+
+def check_output_dtype(fmt: str, params: Any) -> None:
+    """Refuse an ``output_dtype`` that the format cannot store.
+
+    Raises:
+        BadParameterError: ``float16`` for a NIfTI output (NIfTI has no half-precision type).
+    """
+    from service.errors import BadParameterError
+
+    if str(params.output_dtype or "") == "float16" and fmt in ("nii", "nii.gz"):
+        raise BadParameterError(
+            "output_dtype=float16 cannot be stored in NIfTI (no half-precision type): use "
+            "format=tiff or npy, or output_dtype=uint8"
+        )
+
+
+def to_output_dtype(array: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """A whole probability output in ``dtype`` (``uint8``: ``round(255 * clip(p, 0, 1))``)."""
+    if array.dtype == dtype:
+        return array
+    if dtype == np.uint8:
+        return unit_to_uint8(array)
+    return array.astype(dtype)
 
 
 def _write_nifti_header(

@@ -29,11 +29,12 @@ from models.preprocess import preprocess
 from models.streamed_preprocess import RegionPreprocessed
 from service.codecs import decode, encode
 from service.dryrun import dry_run
-from service.errors import InsufficientStorageError, PayloadTooLargeError
+from service.errors import BadParameterError, InsufficientStorageError, PayloadTooLargeError
 from service.http_errors import classify
 from service.pipeline import Limits, plan_format, run_file, run_volume
 from service.precheck import precheck
 from service.stages import check_disk
+from service.writers import output_dtype, to_output_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +60,12 @@ def _whole(model: Any, source: Path, stem: Path, params: Any) -> Path:
     path = stem.with_name(
         stem.name + {"nii": ".nii", "nii.gz": ".nii.gz", "tiff": ".tiff", "npy": ".npy"}[fmt]
     )
-    encode(volume, run.result, fmt, path)
+    result = (
+        run.result
+        if run.plan.output == "labels"
+        else to_output_dtype(run.result, output_dtype(params, False))
+    )
+    encode(volume, result, fmt, path)
     return path
 
 
@@ -214,3 +220,24 @@ def test_paged_memmap_keeps_resident_memory_bounded(tmp_path: Path) -> None:
                               check=True)  # fmt: skip
         rise[kind] = float(proc.stdout.split()[-1])
     assert rise["plain"] > 200 and rise["paged"] < 140, rise
+
+
+@pytest.mark.parametrize("dtype", ["float16", "uint8"])
+def test_output_dtype_is_the_same_streamed_and_whole(repo: Any, tmp_path: Path, dtype: str) -> None:
+    source = tmp_path / "unit.nii"
+    data = np.random.default_rng(4).random((29, 23, 19), dtype=np.float32)
+    nib.save(nib.Nifti1Image(data, np.eye(4)), source)
+    model = repo.get("gaussian-3d")
+    if dtype == "float16":  # NIfTI has no half-precision type: refused by name
+        with pytest.raises(BadParameterError, match="output_dtype=float16 cannot be stored in NIfTI"):
+            run_file(model, source, tmp_path / "s", parse_params({"format": "nii", "output_dtype": dtype}))
+        return
+    params = parse_params({"format": "nii", "output_dtype": dtype, "tile": "20"})
+    streamed = run_file(model, source, tmp_path / "s", params)
+    whole = _whole(model, source, tmp_path / "w", params)
+    got = np.asarray(nib.load(streamed.path).dataobj)
+    assert got.dtype == np.dtype(dtype) and streamed.output_dtype == dtype
+    assert np.array_equal(got, np.asarray(nib.load(whole).dataobj))
+    oracle = ndi.gaussian_filter(data.astype(np.float64), 2.0, truncate=4.0, mode="constant")
+    scale = 255.0 if dtype == "uint8" else 1.0
+    assert float(np.abs(got / scale - oracle).max()) <= (0.5 / 255 + 1e-6 if dtype == "uint8" else 1e-3)
