@@ -1,0 +1,80 @@
+"""Shared batches (issue 20 item 5): tiles of concurrent requests in one forward pass.
+
+Oracle: each request run alone (:func:`tiling.tiled_inference` with the model's own predictor)
+and ``scipy.ndimage.gaussian_filter`` (the gaussian-2d model's oracle). Eight requests of four
+tiles each, batch size 8, run concurrently through one :class:`models.batching.SharedBatcher`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import scipy.ndimage as ndi
+import torch
+
+from models import ModelRepository
+from models.batching import SharedBatcher
+from tiling import TileGrid, tiled_inference
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return ModelRepository(None, device="cpu").get("gaussian-2d")
+
+
+def _images() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.random((1, 61, 59), dtype=np.float32) for _ in range(8)]  # one tile shape
+
+
+def _threshold(region: torch.Tensor) -> torch.Tensor:
+    return (region > 0.5).to(torch.uint8)
+
+
+def test_eight_concurrent_requests_share_batches_and_equal_their_solo_runs(model: Any) -> None:
+    images = _images()
+    grids = [TileGrid.plan(x.shape[1:], 48, 8) for x in images]
+    assert all(g.n_tiles == 4 for g in grids)
+    seen: list[tuple[int, int]] = []
+    batcher = SharedBatcher(model.predictor, 8, wait_s=0.05, on_batch=lambda t, r, s: seen.append((t, r)))
+    results: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    start = threading.Barrier(8)
+
+    def run(k: int) -> None:
+        predict = batcher.client()
+        start.wait()
+        values = tiled_inference(images[k], predict, grid=grids[k], batch_size=2)
+        labels = tiled_inference(images[k], predict, grid=grids[k], batch_size=2, reduce=_threshold)
+        results[k] = (values, labels)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    batcher.close()
+    assert len(results) == 8
+    assert max(r for _, r in seen) > 1  # forward passes held tiles of several requests
+    assert sum(t for t, _ in seen) == 2 * 8 * 4 and max(t for t, _ in seen) <= 8
+    assert batcher.forward_calls < 2 * 8 * 2  # fewer than the requests' own 2-tile batches
+    for k, x in enumerate(images):
+        solo = tiled_inference(x, model.predictor, grid=grids[k], batch_size=2)
+        solo_labels = tiled_inference(x, model.predictor, grid=grids[k], batch_size=2, reduce=_threshold)
+        values, labels = results[k]
+        assert float(np.abs(values - solo).max()) <= 1e-6
+        assert np.array_equal(labels, solo_labels)
+        oracle = ndi.gaussian_filter(x[0].astype(np.float64), 2.0, truncate=4.0, mode="constant")
+        assert float(np.abs(values[0] - oracle).max()) < 1e-5
+
+
+def test_a_failing_forward_pass_fails_only_its_requests() -> None:
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("device lost")
+
+    batcher = SharedBatcher(broken, 4, wait_s=0.001)
+    with pytest.raises(RuntimeError, match="device lost"):
+        batcher.client()(torch.zeros(2, 1, 8, 8))
+    batcher.close()
