@@ -16,20 +16,43 @@ batch neighbours change. ``on_batch(tiles, requests, seconds)`` hears of every f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["SharedBatcher"]
+__all__ = ["SharedBatcher", "bound_predictor", "current_predictor"]
 
 logger = logging.getLogger(__name__)
+
+_CURRENT: contextvars.ContextVar[Callable[[torch.Tensor], Any] | None] = contextvars.ContextVar(
+    "tilewise_shared_predictor", default=None
+)
+
+
+@contextlib.contextmanager
+def bound_predictor(predict: Callable[[torch.Tensor], Any]) -> Iterator[None]:
+    """Within the block (in this thread's context), tiled passes call ``predict`` (a
+    :meth:`SharedBatcher.client`) instead of the model's own predictor."""
+    token = _CURRENT.set(predict)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_predictor(default: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """The predictor bound by :func:`bound_predictor` in this context, else ``default``."""
+    bound = _CURRENT.get()
+    return default if bound is None else bound
 
 
 @dataclass(eq=False)
@@ -49,7 +72,8 @@ class SharedBatcher:
 
     Args:
         predictor: maps ``(B, C, *tile)`` to ``(B, C_out, *tile_out)``.
-        batch_size: tiles per forward pass at most.
+        batch_size: tiles per forward pass at most (a request whose own batches are larger
+            raises it while its tiles wait).
         wait_s: how long a batch that is not full waits for more tiles (``TILEWISE_BATCH_WAIT_MS``).
         on_batch: called after each forward pass with its tile count, the number of requests
             whose tiles it held, and its seconds.
@@ -113,19 +137,25 @@ class SharedBatcher:
     def _pending(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
+    def _target(self) -> int:
+        """Tiles per forward pass now: ``batch_size``, or a waiting request's own larger batch."""
+        largest = max((int(q[0][0].tiles.shape[0]) for q in self._queues.values() if q), default=0)
+        return max(self.batch_size, largest)
+
     def _take(self) -> list[tuple[_Call, int]]:
-        """Up to ``batch_size`` tiles of one shape, round robin by request (oldest request first)."""
+        """Up to :meth:`_target` tiles of one shape, round robin by request (oldest request first)."""
+        target = self._target()
         shape = None
         for queue in self._queues.values():
             if queue:
                 shape = tuple(queue[0][0].tiles.shape[1:])
                 break
         taken: list[tuple[_Call, int]] = []
-        while len(taken) < self.batch_size:
+        while len(taken) < target:
             progressed = False
             for client in list(self._queues):
                 queue = self._queues[client]
-                if queue and tuple(queue[0][0].tiles.shape[1:]) == shape and len(taken) < self.batch_size:
+                if queue and tuple(queue[0][0].tiles.shape[1:]) == shape and len(taken) < target:
                     taken.append(queue.popleft())
                     progressed = True
                 if not queue:
@@ -145,7 +175,7 @@ class SharedBatcher:
                     self._fail_all(RuntimeError("the shared batcher is closed"))
                     return
                 deadline = time.monotonic() + self.wait_s
-                while self._pending() < self.batch_size and not self._closed:
+                while self._pending() < self._target() and not self._closed:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break

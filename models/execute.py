@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from models.batching import current_predictor
 from models.params import OutputKind
 from models.plan import RunPlan
 from models.planner import retry_smaller
@@ -124,13 +125,15 @@ def _tiled(
 
     def once(p: RunPlan, r: Resume | None) -> npt.NDArray[Any]:
         context = model.context
+        # a shared batch (models.batching) when the service bound one; never with pool-mean state
+        predictor = model.predictor if context is not None else current_predictor(model.predictor)
         # Whole-image pool means are state on the predictor: one global-pooling run at a time.
         with model.run_lock if context is not None else contextlib.nullcontext():
             try:
                 if context is not None:
                     prepare_context(model, context, x, p)
                 result: npt.NDArray[Any] = tiled_inference(
-                    x, model.predictor, grid=p.grid, batch_size=p.batch_size,
+                    x, predictor, grid=p.grid, batch_size=p.batch_size,
                     device=model.predictor.device, out=out, reduce=reduce, progress=progress,
                     should_stop=should_stop, resume=r, seam=seam,
                 )  # fmt: skip

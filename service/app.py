@@ -32,6 +32,7 @@ from service.routes import health_router, v1_router
 from service.routes.apidocs import install_docs
 from service.routes.page import install_page
 from service.settings import Settings, get_settings
+from service.sharing import SharedBatches
 from service.upload import UploadSlots
 from service.workdir import WorkRoot
 
@@ -109,13 +110,19 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
             retry_after_s=settings.retry_after_s,
             on_depth=metrics.queue_depth.set,
             after_job=release_free_memory,
+            workers=settings.shared_requests,
         )
+        batches = (
+            SharedBatches(settings.batch_wait_ms / 1000, metrics) if settings.shared_requests > 1 else None
+        )
+        app.state.batches = batches
         app.state.repository = repo
         app.state.load_repository = functools.partial(_load_repository, settings)
         app.state.reload_lock = asyncio.Lock()
         app.state.executor = executor
         app.state.device = device
         jobs = await anyio.to_thread.run_sync(_open_jobs, settings, executor, app, metrics)
+        jobs.batches = batches
         jobs.start()
         app.state.jobs = jobs
         app.state.ready = True
@@ -137,6 +144,8 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
             executor.shutdown(wait=False)  # queued jobs are cancelled
             await anyio.to_thread.run_sync(executor.join, 30.0)
             await anyio.to_thread.run_sync(jobs.close)  # leases of jobs still held are released
+            if batches is not None:
+                await anyio.to_thread.run_sync(batches.close)
             await anyio.to_thread.run_sync(app.state.workroot.close)
             logger.info("tilewise stopped")
 

@@ -56,6 +56,8 @@ class DeviceExecutor:
         on_depth: called with the number of held slots plus queued and running jobs whenever it
             changes.
         after_job: called on the worker thread after each job (e.g. to release free memory).
+        workers: jobs run at once (``TILEWISE_SHARED_REQUESTS``; their forward passes share
+            batches, :mod:`service.sharing`); 1 by default: one job at a time.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class DeviceExecutor:
         retry_after_s: int = 1,
         on_depth: Callable[[int], None] | None = None,
         after_job: Callable[[], object] | None = None,
+        workers: int = 1,
     ) -> None:
         self.device = device
         self.queue_size = queue_size
@@ -77,8 +80,14 @@ class DeviceExecutor:
         self._reserved = 0
         self._closed = False
         self._lock = threading.Condition()
-        self._thread = threading.Thread(target=self._work, name=f"tilewise-infer-{device}", daemon=True)
-        self._thread.start()
+        self.workers = max(1, int(workers))
+        self._threads = [
+            threading.Thread(target=self._work, name=f"tilewise-infer-{device}-{n}", daemon=True)
+            for n in range(self.workers)
+        ]
+        self._thread = self._threads[0]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def depth(self) -> int:
@@ -90,8 +99,8 @@ class DeviceExecutor:
         return self._reserved + len(self._jobs) + self._running
 
     def _full(self) -> bool:
-        # The running job holds no queue slot: an idle worker takes a job at once.
-        return self._load() >= self.queue_size + 1
+        # The running jobs hold no queue slot: an idle worker takes a job at once.
+        return self._load() >= self.queue_size + self.workers
 
     def has_room(self) -> bool:
         """Whether a slot taken now would be granted (a hint: it may change at once)."""
@@ -191,7 +200,7 @@ class DeviceExecutor:
                 if not future.set_running_or_notify_cancel():
                     self._notify()
                     continue
-                self._running = 1
+                self._running += 1
                 self._notify()
             try:
                 result = fn()
@@ -201,7 +210,7 @@ class DeviceExecutor:
                 future.set_result(result)
             finally:
                 with self._lock:
-                    self._running = 0
+                    self._running -= 1
                     self._notify()
                 # Drop references so a finished job's arrays are freed before the next one.
                 del future, fn
@@ -211,11 +220,20 @@ class DeviceExecutor:
                     except Exception:
                         logger.exception("after-job hook failed")
 
+    def position(self, future: concurrent.futures.Future[Any]) -> int | None:
+        """The place of ``future``'s job in the queue (1 = next), or ``None`` once it runs or ended."""
+        with self._lock:
+            for index, (queued, _) in enumerate(self._jobs):
+                if queued is future:
+                    return index + 1
+        return None
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the worker to end (after :meth:`shutdown`); ``True``
         when it has."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        for thread in self._threads:
+            thread.join(timeout)
+        return not any(thread.is_alive() for thread in self._threads)
 
     def shutdown(self, *, wait: bool = True) -> None:
         """Stop accepting jobs, cancel the waiting ones and (optionally) join the worker."""
@@ -227,4 +245,5 @@ class DeviceExecutor:
         for future, _ in pending:
             future.cancel()
         if wait:
-            self._thread.join()
+            for thread in self._threads:
+                thread.join()

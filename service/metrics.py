@@ -9,7 +9,9 @@ replica: ``queued`` when submitted here or taken over, ``running`` at each start
 final states), ``tilewise_jobs_active`` (unfinished jobs in the shared folder: the same on every
 replica), ``tilewise_job_tiles_computed_total{model}`` and ``tilewise_job_tiles_resumed_total{model}``
 (tiles a run skipped because an earlier run of the job had finished them), and
-``tilewise_job_takeovers_total`` (jobs this replica took from one that died or stopped). Jobs'
+``tilewise_job_takeovers_total`` (jobs this replica took from one that died or stopped).
+Stages and shared batches (issue 20): ``tilewise_stage_seconds{stage}`` (``prepare``, ``queue``,
+``execute``, ``finish``), ``tilewise_batch_fill`` and ``tilewise_batch_requests``. Jobs'
 tiles count in ``tilewise_tiles_total`` too.
 No per-request labels: ``model`` is a known model name or ``"unknown"``.
 """
@@ -56,6 +58,25 @@ class Metrics:
             "tilewise_queue_depth",
             "Queue slots in use on the device executor: uploads holding a slot, jobs waiting, "
             "the job running.",
+            registry=self.registry,
+        )
+        self.stage_seconds = Histogram(
+            "tilewise_stage_seconds",
+            "Seconds of each stage of a request: prepare, queue, execute, finish.",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_fill = Histogram(
+            "tilewise_batch_fill",
+            "Tiles per shared forward pass.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=self.registry,
+        )
+        self.batch_requests = Histogram(
+            "tilewise_batch_requests",
+            "Requests whose tiles one shared forward pass held.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             registry=self.registry,
         )
         self.bytes_in = Counter("tilewise_bytes_in", "Request body bytes received.", registry=self.registry)

@@ -21,7 +21,7 @@ import numpy as np
 
 from models.cost import STREAMED_OUTPUT_BYTES
 
-__all__ = ["DROP_BYTES", "PagedMemmap", "open_paged", "unit_to_uint8"]
+__all__ = ["DROP_BYTES", "PagedMemmap", "open_paged", "paged", "unit_to_uint8"]
 
 #: Bytes of pages touched between two ``MADV_DONTNEED`` (64 MiB: what the cost model counts for
 #: an output on disk).
@@ -88,6 +88,14 @@ class PagedMemmap(np.memmap):
             mm = getattr(self, "_mmap", None)
             if mm is not None and not mm.closed:
                 mm.madvise(mmap.MADV_DONTNEED)
+
+
+def paged(array: np.memmap) -> PagedMemmap:
+    """``array`` (a ``numpy.memmap``, e.g. ``np.lib.format.open_memmap``'s) as a
+    :class:`PagedMemmap` on the same mapping."""
+    view = array.view(PagedMemmap)
+    view._counter = _Counter()
+    return view
 
 
 def unit_to_uint8(values: np.ndarray) -> np.ndarray:

@@ -105,6 +105,9 @@ class InferenceResult:
     size_bytes: int
     model_shape: tuple[int, ...] = ()
     seam: SeamStats | None = None
+    #: Seconds of the stages of a streamed run (``prepare``, ``execute``, ``finish``); empty for a
+    #: whole-image run (decoded, run and encoded in one go).
+    stages: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def n_tiles(self) -> int:
@@ -277,8 +280,8 @@ def run_file(
 
     check_output_dtype(output_format(header.kind, spec, params), params)
     if streams is not None and streams(header):  # read by region, written as it finishes
-        options = RunOptions(progress, should_stop, _plan_told(checkpoint))
-        return _run_streamed(model, source, header, params, limits, target_stem, options)
+        options = RunOptions(progress, should_stop)
+        return _run_streamed(model, source, header, params, limits, target_stem, options, checkpoint)
     volume = decode(
         source,
         max_voxels=limits.max_voxels,
@@ -334,21 +337,6 @@ def run_file(
     )
 
 
-def _plan_told(checkpoint: Checkpoint | None) -> Callable[[RunPlan], object] | None:
-    """A streamed job tells its progress the plan as a checkpointed one does (it starts at tile 0:
-    a streamed run that stops starts over)."""
-    on_start = getattr(checkpoint, "on_start", None)
-    if on_start is None:
-        return None
-
-    def told(plan: RunPlan) -> None:
-        from tiling import resume_point
-
-        on_start(plan, resume_point(plan.grid, 0, plan.batch_size))
-
-    return told
-
-
 def _run_streamed(
     model: Model,
     source: Path,
@@ -357,17 +345,23 @@ def _run_streamed(
     limits: Limits,
     target_stem: Path,
     options: RunOptions,
+    checkpoint: Checkpoint | None = None,
 ) -> InferenceResult:
     """The three stages of :mod:`service.stages` (prepare, execute, finish) in this thread."""
     from service.stages import execute, finish, output_format, prepare
 
     fmt = output_format(header.kind, model.spec, params)
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
-    prepared = prepare(model, source, header, params, limits, path, fmt)
+    t0 = time.perf_counter()
+    prepared = prepare(model, source, header, params, limits, path, fmt, checkpoint)
+    t1 = time.perf_counter()
     try:
         execute(prepared, options)
     except BaseException:
         prepared.close()
         path.unlink(missing_ok=True)
         raise
-    return finish(prepared)
+    t2 = time.perf_counter()
+    result = finish(prepared)
+    stages = {"prepare": t1 - t0, "execute": t2 - t1, "finish": time.perf_counter() - t2}
+    return dataclasses.replace(result, stages=stages)

@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     # Pillow's own decompression-bomb threshold (89.5 Mpx); raise it for big scans and slides.
     max_image_pixels: int = Field(default=Image.MAX_IMAGE_PIXELS, ge=1)
     queue_size: int = Field(default=8, ge=0)
+    #: Requests the device executor runs at once, sharing forward batches (service.sharing); 1: off.
+    shared_requests: int = Field(default=1, ge=1, le=64)
+    #: How long a shared forward batch that is not full waits for tiles (milliseconds).
+    batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
     api_key: Annotated[SecretStr | None, BeforeValidator(blank_to_none)] = None  # empty: no key
     retry_after_s: int = Field(default=2, ge=0)
     tmp_dir: Path | None = None

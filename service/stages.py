@@ -166,6 +166,10 @@ class Prepared:
     seam: SeamStats | None
     started: float
     ran: RunPlan | None = None
+    #: A job's checkpoint array (the network's output, resumable) and where its run continues;
+    #: :func:`finish` copies it into the output slab by slab.
+    kept: Any = None
+    resume: Any = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def close(self) -> None:
@@ -188,9 +192,12 @@ def prepare(
     limits: Limits,
     path: Path,
     fmt: str,
+    checkpoint: Any = None,
 ) -> Prepared:
     """Stage 1: disk check, region source, preprocessing statistics, one plan (checked against
-    ``limits.budget``), the output opened at ``path``.
+    ``limits.budget``), the output opened at ``path``. With a job's ``checkpoint``
+    (:class:`service.pipeline.Checkpoint`) the network writes to its array, so a stopped run
+    continues from its last finished tile row; the output is made from it at :func:`finish`.
 
     Raises:
         InsufficientStorageError: the disk cannot hold output and temporaries (507).
@@ -239,10 +246,25 @@ def prepare(
                              nifti=nifti, dpi=header.info.get("dpi"), unit_to_uint8=to_uint8)  # fmt: skip
         prepared = Prepared(model, header, params, fmt, output_kind, plan, x, target, workdir, seam, started,
                             _tmp=tmp)  # fmt: skip
+        if checkpoint is not None:
+            from service.paged import paged
+            from service.pipeline import _output_layout
+
+            kept, prepared.resume = checkpoint.start(plan, *_output_layout(spec, plan))
+            prepared.kept = paged(kept) if isinstance(kept, np.memmap) else kept
         return prepared
     finally:
         if prepared is None:
             tmp.cleanup()
+
+
+def _copy_slabs(source: Any, target: Any, lead: int, slab_bytes: int = 32 << 20) -> None:
+    """``target[...] = source`` slab by slab along axis ``lead`` (bounded memory)."""
+    length = int(source.shape[lead])
+    per = max(1, slab_bytes // max(1, source.nbytes // max(1, length)))
+    for lo in range(0, length, per):
+        index = (slice(None),) * lead + (slice(lo, lo + per),)
+        target[index] = np.asarray(source[index])
 
 
 class _Shape:
@@ -264,8 +286,9 @@ def execute(prepared: Prepared, options: RunOptions | None = None) -> RunPlan:
     if options.on_plan is not None:
         options.on_plan(prepared.plan)
     ran = [prepared.plan]
+    out = prepared.target.array if prepared.kept is None else prepared.kept
     prepared.model.execute(
-        prepared.source, prepared.plan, out=prepared.target.array, progress=options.progress,
+        prepared.source, prepared.plan, out=out, progress=options.progress, resume=prepared.resume,
         should_stop=options.should_stop, seam=prepared.seam, replanned=ran.append,
     )  # fmt: skip
     prepared.ran = dataclasses.replace(ran[-1], output=prepared.plan.output)
@@ -282,6 +305,8 @@ def finish(prepared: Prepared) -> Any:
 
     try:
         target = prepared.target
+        if prepared.kept is not None:
+            _copy_slabs(prepared.kept, target.array, 0 if prepared.output_kind == "labels" else 1)
         shape = tuple(int(n) for n in target.array.shape)
         dtype = str(target.array.dtype)
         path = target.finish()

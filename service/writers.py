@@ -23,7 +23,6 @@ from __future__ import annotations
 import gzip
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -256,10 +255,11 @@ def _write_nifti_header(
 
 def _gzip(source: Path, target: Path) -> None:
     """Compress ``source`` into ``target`` as a stream (nibabel's level)."""
-    with open(source, "rb") as src, gzip.open(target, "wb", compresslevel=1) as dst:
-        while chunk := src.read(_COPY_CHUNK):
-            dst.write(chunk)
-    os.utime(target)
+    with open(source, "rb") as src, open(target, "wb") as raw:
+        # as nibabel writes .nii.gz: no name, mtime 0 (the same bytes for the same output), level 1
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=1, mtime=0) as dst:
+            while chunk := src.read(_COPY_CHUNK):
+                dst.write(chunk)
 
 
 def _write_tiff(array: PagedMemmap, path: Path, *, dpi: Any = None) -> None:

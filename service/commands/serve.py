@@ -28,6 +28,8 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--models", "models_dir", Path, "model folder (default: ~/.cache/tilewise/models)"),
     ("--device", "device", str, "cpu, cuda, cuda:N or mps (default: CUDA when available)"),
     ("--queue-size", "queue_size", _count, "requests allowed to wait for the device (default: 8)"),
+    ("--shared-requests", "shared_requests", _positive, "requests run at once, sharing batches (1: off)"),
+    ("--batch-wait-ms", "batch_wait_ms", _seconds, "wait for a shared forward batch to fill, ms (5)"),
     ("--max-upload-bytes", "max_upload_bytes", _positive, "largest upload, bytes (default: 2 GiB)"),
     ("--max-voxels", "max_voxels", _positive, "largest image, voxels (default: 2**30)"),
     ("--max-image-pixels", "max_image_pixels", _positive, "decompression-bomb limit of 2D images"),

@@ -96,6 +96,8 @@ class JobService:
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
         self.cluster = ClusterRoute(settings)
+        #: The server's :class:`~service.sharing.SharedBatches` (``TILEWISE_SHARED_REQUESTS`` > 1).
+        self.batches: Any = None
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -242,6 +244,9 @@ class JobService:
                 tiled = self._dask_pass(record, folder, progress)
                 if tiled is not None:
                     stack.enter_context(tiled)
+                shared = self.batches.bind(model) if self.batches is not None and tiled is None else None
+                if shared is not None:
+                    stack.enter_context(shared)
                 result = run_file(
                     model,
                     folder / INPUT_FILE,
@@ -396,6 +401,14 @@ class JobService:
             self.metrics.job_takeovers.inc()
             taken += 1
         return taken
+
+    def position(self, job_id: str) -> int | None:
+        """The job's place in this replica's device queue (1 = next), or ``None``."""
+        with self._lock:
+            held = self._held.get(job_id)
+        if held is None or held.future is None:
+            return None
+        return self.executor.position(held.future)
 
     def held(self) -> list[str]:
         """Ids of the jobs this process holds."""

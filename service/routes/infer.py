@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import shutil
@@ -167,12 +168,22 @@ def _work(
     limits: Limits,
     metrics: Metrics,
     stop: threading.Event,
+    batches: Any = None,
+    queued_at: float | None = None,
 ) -> InferenceResult:
     """Executor-thread work of one request (load the model if needed, run the pipeline), then its
     metrics from the one plan. Tiles are counted batch by batch as they run."""
+    if queued_at is not None:
+        metrics.stage_seconds.labels("queue").observe(time.perf_counter() - queued_at)
     model = _loaded(repository, name)
     tiles = metrics.tiles.labels(model.spec.name)
-    result = run_file(model, source, stem, params, limits=limits, should_stop=stop.is_set, progress=tiles.inc)
+    shared = batches.bind(model) if batches is not None else contextlib.nullcontext()
+    with shared:  # TILEWISE_SHARED_REQUESTS > 1: forward passes shared with other requests
+        result = run_file(
+            model, source, stem, params, limits=limits, should_stop=stop.is_set, progress=tiles.inc
+        )
+    for stage, seconds in result.stages.items():
+        metrics.stage_seconds.labels(stage).observe(seconds)
     metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
     return result
 
@@ -250,8 +261,9 @@ async def infer(
         slot = executor.reserve()
         logger.info("request %s queued model=%s on %s", current_request_id(), label, executor.device)
         work = functools.partial(
-            _work, repository, label, source, workdir / "output", params, limits, metrics, stop
-        )
+            _work, repository, label, source, workdir / "output", params, limits, metrics, stop,
+            getattr(state, "batches", None), time.perf_counter(),
+        )  # fmt: skip
         state.stops.add(stop)
         future = executor.submit_future(work, slot=slot)
         result = await _await_job(future, request)

@@ -227,8 +227,13 @@ async def list_jobs(
     responses={200: {"content": {"application/json": {"example": _STATUS_EXAMPLE}}}, 404: _UNKNOWN},
 )
 async def get_job(job_id: str, service: JobsDep) -> dict[str, Any]:
-    """The job's state and progress."""
-    return job_status(await anyio.to_thread.run_sync(service.store.read, job_id))
+    """The job's state and progress; while queued on this replica, ``position`` (1 = next)."""
+    status = job_status(await anyio.to_thread.run_sync(service.store.read, job_id))
+    if status.get("state") == JobState.QUEUED.value:
+        position = service.position(job_id)
+        if position is not None:
+            status["position"] = position
+    return status
 
 
 @router.get(
