@@ -74,8 +74,10 @@ class NiftiRegions(RegionSource):
     def __init__(self, path: Path, header: Any) -> None:
         import nibabel as nib
 
+        klass = nib.Nifti2Image if int(header.info.get("nifti_version", 1)) == 2 else nib.Nifti1Image
+        holder = nib.fileholders.FileHolder(filename=str(path))  # any name: uploads have no suffix
         try:
-            image = nib.load(str(path))
+            image = klass.from_file_map({"image": holder, "header": holder})
         except (OSError, ValueError, nib.spatialimages.HeaderDataError) as exc:
             raise DecodeError(f"corrupt NIfTI header: {exc}") from exc
         proxy = image.dataobj
