@@ -1,0 +1,63 @@
+"""Issue 20 acceptance on full-size inputs (slow: about 30 minutes on 2 loaded cores).
+
+Each case runs in a fresh process what ``tilewise infer`` runs (:mod:`benchmarks.stream_rss`):
+the rise of the peak resident memory (``VmHWM``) above the warmed-up process, and the output
+against ``scipy.ndimage.gaussian_filter`` on 20 random windows (float32 arithmetic: the bound is
+relative to the data's magnitude, HU up to 1000 for the CT, 255 for the pages).
+Run it with ``pytest -m slow tests/service/test_streamed_slow.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _measure(model: str, source: Path, output: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stream_rss", "measure", model, str(source), str(output)],
+        capture_output=True, text=True, cwd=ROOT, check=True, timeout=3600,
+    )  # fmt: skip
+    output.unlink(missing_ok=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("stream-rss")
+    subprocess.run([sys.executable, "-m", "benchmarks.stream_rss", "make", str(folder)], cwd=ROOT, check=True,
+                   timeout=3600)  # fmt: skip
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_ct_volumes_stream_within_300_mib_and_scale_with_the_tile(inputs: Path) -> None:
+    rows = {name: _measure("gaussian-3d", inputs / name, inputs / f"out-{name}.nii.gz")
+            for name in ("ct400.nii", "ct400.nii.gz", "ct800.nii")}  # fmt: skip
+    sys.stdout.write(json.dumps(rows, indent=1) + "\n")
+    assert rows["ct400.nii"]["peak_mib"] <= 300 and rows["ct400.nii.gz"]["peak_mib"] <= 300, rows
+    assert rows["ct800.nii"]["peak_mib"] <= 1.15 * rows["ct400.nii"]["peak_mib"], rows
+    for row in rows.values():
+        assert row["max_abs_diff"] <= 1e-6 * 1000 * 4, row  # HU magnitudes, float32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_a_40k_tiled_bigtiff_streams_within_500_mib_and_the_png_is_still_refused(inputs: Path) -> None:
+    slide = _measure("gaussian-2d", inputs / "slide40k.tif", inputs / "out-slide40k.tif")
+    striped = _measure("gaussian-2d", inputs / "page12k.tif", inputs / "out-page12k.tif")
+    png = _measure("gaussian-2d", inputs / "page12k.png", inputs / "out-png.tif")
+    sys.stdout.write(json.dumps([slide, striped, png], indent=1) + "\n")
+    assert slide["peak_mib"] <= 500 and slide["tiled"] and slide["bigtiff"], slide
+    assert striped["peak_mib"] <= 500 and striped["tiled"], striped
+    for row in (slide, striped):
+        assert row["max_abs_diff"] <= 1e-6 * 255 * 4, row
+    assert png["refused"] == 413 and "max_image_pixels" in png["detail"], png
