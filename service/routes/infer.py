@@ -86,6 +86,10 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "max_batch_size / max_tiles / max_work (`over_budget`).",
     ),
     503: error_doc("queue_full", "The device queue is full; retry after `Retry-After` seconds."),
+    507: error_doc(
+        "insufficient_storage",
+        "A streamed request (an input read by region): the disk cannot hold the output and temporaries.",
+    ),
 }
 
 _OPENAPI = {

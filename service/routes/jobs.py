@@ -147,6 +147,7 @@ _SUBMIT_OPENAPI = {
             "The device queue is full (retry after `Retry-After` seconds); or `model_unavailable`: the "
             "model fails to load (as on the synchronous route).",
         ),
+        507: error_doc("insufficient_storage", "The disk cannot hold the output and temporaries."),
     },
 )
 async def submit_job(
