@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from models.mapping import MappedRun
     from models.model import TiledPass
     from service.budget import Budget
+    from service.stages import Prepared
     from tiling import Resume, SeamStats
 
 __all__ = [
@@ -65,7 +66,9 @@ __all__ = [
     "model_shape",
     "plan_format",
     "precheck",
+    "prepare_file",
     "run_file",
+    "run_prepared",
     "run_volume",
 ]
 
@@ -273,15 +276,16 @@ def run_file(
     started = time.perf_counter()
     limits = limits or Limits()
     spec = model.spec
-    streams = streamed_check(model, source, params) if tiled is None else None
-    header = check_input(spec, source, limits, streamed=streams)
-    from service.stages import output_format
-    from service.writers import check_output_dtype
+    if tiled is None:  # read by region and written as it finishes, when the input allows
+        prepared = prepare_file(model, source, target_stem, params, limits=limits, checkpoint=checkpoint)
+        if prepared is not None:
+            return run_prepared(prepared, RunOptions(progress, should_stop))
+    else:
+        from service.stages import output_format
+        from service.writers import check_output_dtype
 
-    check_output_dtype(output_format(header.kind, spec, params), params)
-    if streams is not None and streams(header):  # read by region, written as it finishes
-        options = RunOptions(progress, should_stop)
-        return _run_streamed(model, source, header, params, limits, target_stem, options, checkpoint)
+        header = check_input(spec, source, limits)
+        check_output_dtype(output_format(header.kind, spec, params), params)
     volume = decode(
         source,
         max_voxels=limits.max_voxels,
@@ -337,31 +341,48 @@ def run_file(
     )
 
 
-def _run_streamed(
+def prepare_file(
     model: Model,
     source: Path,
-    header: Any,
-    params: InferenceParams,
-    limits: Limits,
     target_stem: Path,
-    options: RunOptions,
+    params: InferenceParams,
+    *,
+    limits: Limits | None = None,
     checkpoint: Checkpoint | None = None,
-) -> InferenceResult:
-    """The three stages of :mod:`service.stages` (prepare, execute, finish) in this thread."""
-    from service.stages import execute, finish, output_format, prepare
+) -> Prepared | None:
+    """The first stage of a streamed request (:func:`service.stages.prepare`), or ``None`` when
+    ``source`` is run whole (:func:`run_file` then decodes it). The header is checked either way
+    (the bomb limits only for inputs decoded whole).
 
-    fmt = output_format(header.kind, model.spec, params)
+    Raises:
+        PayloadTooLargeError, UnusableInputError, DecodeError, BadParameterError,
+        InsufficientStorageError, OverBudgetError, MemoryBudgetError: see :func:`run_file`.
+    """
+    from service.stages import output_format, prepare
+    from service.writers import check_output_dtype
+
+    limits = limits or Limits()
+    spec = model.spec
+    streams = streamed_check(model, source, params)
+    header = check_input(spec, source, limits, streamed=streams)
+    fmt = output_format(header.kind, spec, params)
+    check_output_dtype(fmt, params)
+    if not streams(header):
+        return None
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
-    t0 = time.perf_counter()
-    prepared = prepare(model, source, header, params, limits, path, fmt, checkpoint)
-    t1 = time.perf_counter()
+    return prepare(model, source, header, params, limits, path, fmt, checkpoint)
+
+
+def run_prepared(prepared: Prepared, options: RunOptions | None = None) -> InferenceResult:
+    """The last two stages of a streamed request in this thread: execute, then finish."""
+    from service.stages import execute, finish
+
     try:
         execute(prepared, options)
     except BaseException:
+        path = prepared.target.path
         prepared.close()
         path.unlink(missing_ok=True)
         raise
-    t2 = time.perf_counter()
-    result = finish(prepared)
-    stages = {"prepare": t1 - t0, "execute": t2 - t1, "finish": time.perf_counter() - t2}
-    return dataclasses.replace(result, stages=stages)
+    result: InferenceResult = finish(prepared)
+    return result

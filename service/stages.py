@@ -170,6 +170,8 @@ class Prepared:
     #: :func:`finish` copies it into the output slab by slab.
     kept: Any = None
     resume: Any = None
+    #: Seconds of each stage so far (``prepare``, ``execute``, ``finish``).
+    stages: dict[str, float] = dataclasses.field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def close(self) -> None:
@@ -252,6 +254,7 @@ def prepare(
 
             kept, prepared.resume = checkpoint.start(plan, *_output_layout(spec, plan))
             prepared.kept = paged(kept) if isinstance(kept, np.memmap) else kept
+        prepared.stages["prepare"] = time.perf_counter() - started
         return prepared
     finally:
         if prepared is None:
@@ -283,6 +286,7 @@ def execute(prepared: Prepared, options: RunOptions | None = None) -> RunPlan:
         InferenceError, RunCancelledError: see :meth:`models.Model.execute`.
     """
     options = options or RunOptions()
+    started = time.perf_counter()
     if options.on_plan is not None:
         options.on_plan(prepared.plan)
     ran = [prepared.plan]
@@ -292,6 +296,7 @@ def execute(prepared: Prepared, options: RunOptions | None = None) -> RunPlan:
         should_stop=options.should_stop, seam=prepared.seam, replanned=ran.append,
     )  # fmt: skip
     prepared.ran = dataclasses.replace(ran[-1], output=prepared.plan.output)
+    prepared.stages["execute"] = time.perf_counter() - started
     return prepared.ran
 
 
@@ -303,6 +308,7 @@ def finish(prepared: Prepared) -> Any:
     """
     from service.pipeline import MEDIA_TYPES, InferenceResult
 
+    begun = time.perf_counter()
     try:
         target = prepared.target
         if prepared.kept is not None:
@@ -329,6 +335,7 @@ def finish(prepared: Prepared) -> Any:
             size_bytes=path.stat().st_size,
             model_shape=tuple(int(n) for n in prepared.source.shape[1:]),
             seam=prepared.seam,
+            stages={**prepared.stages, "finish": time.perf_counter() - begun},
         )
     finally:
         prepared.close()

@@ -27,9 +27,10 @@ from service.errors import NotReadyError
 from service.executor import Slot
 from service.http_errors import classify
 from service.metrics import Metrics
-from service.pipeline import InferenceResult, Limits, run_file
+from service.pipeline import InferenceResult, Limits, prepare_file, run_file
 from service.requestid import current_request_id
 from service.routes.docs import error_doc, params_doc
+from service.stages import Prepared, RunOptions, execute, finish
 from service.upload import Pace, receive_upload
 
 __all__ = ["result_headers", "router"]
@@ -157,6 +158,46 @@ def _dry_run(repository: Any, name: str, source: Path, params: InferenceParams, 
     return dry_run(_loaded(repository, name), source, params, limits)
 
 
+def _prepare(
+    repository: Any, name: str, source: Path, stem: Path, params: InferenceParams, limits: Limits
+) -> Prepared | None:
+    """Worker-thread first stage of a streamed request (region source, statistics, one plan,
+    output opened), or ``None`` when the input is run whole on the device thread."""
+    return prepare_file(_loaded(repository, name), source, stem, params, limits=limits)
+
+
+def _execute(
+    prepared: Prepared,
+    metrics: Metrics,
+    stop: threading.Event,
+    batches: Any = None,
+    queued_at: float | None = None,
+) -> Prepared:
+    """Device-thread stage of a streamed request: only its tiled network passes."""
+    if queued_at is not None:
+        metrics.stage_seconds.labels("queue").observe(time.perf_counter() - queued_at)
+    model = prepared.model
+    tiles = metrics.tiles.labels(model.spec.name)
+    shared = batches.bind(model) if batches is not None else contextlib.nullcontext()
+    try:
+        with shared:
+            execute(prepared, RunOptions(tiles.inc, stop.is_set))
+    except BaseException:
+        prepared.close()
+        raise
+    return prepared
+
+
+def _finish(prepared: Prepared, metrics: Metrics) -> InferenceResult:
+    """Worker-thread last stage of a streamed request: the file completed and described."""
+    result: InferenceResult = finish(prepared)
+    for stage, seconds in result.stages.items():
+        metrics.stage_seconds.labels(stage).observe(seconds)
+    model = prepared.model
+    metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
+    return result
+
+
 def _precheck(repository: Any, name: str, source: Path, params: InferenceParams, limits: Limits) -> None:
     """Worker-thread admission of the uploaded file (:func:`service.admission.admit`: model, header,
     plan), before it takes a slot; the jobs route admits with the same function."""
@@ -263,14 +304,23 @@ async def infer(
             return JSONResponse(answer)
         await anyio.to_thread.run_sync(_precheck, repository, label, source, params, limits)
         slot = executor.reserve()
+        stem = workdir / "output"
+        prepared = await anyio.to_thread.run_sync(_prepare, repository, label, source, stem, params, limits)
         logger.info("request %s queued model=%s on %s", current_request_id(), label, executor.device)
-        work = functools.partial(
-            _work, repository, label, source, workdir / "output", params, limits, metrics, stop,
-            getattr(state, "batches", None), time.perf_counter(),
-        )  # fmt: skip
+        batches = getattr(state, "batches", None)
+        if prepared is None:  # decoded, run and encoded whole on the device thread
+            run = (repository, label, source, stem, params, limits, metrics, stop, batches)
+            work: Any = functools.partial(_work, *run, time.perf_counter())
+        else:  # only the tiled passes on the device thread
+            work = functools.partial(_execute, prepared, metrics, stop, batches, time.perf_counter())
         state.stops.add(stop)
         future = executor.submit_future(work, slot=slot)
-        result = await _await_job(future, request)
+        outcome = await _await_job(future, request)
+        if prepared is not None and outcome is not None:
+            outcome = await anyio.to_thread.run_sync(_finish, outcome, metrics)
+        if prepared is not None and outcome is None:
+            future.add_done_callback(lambda _: prepared.close())
+        result = outcome
         if result is None:
             stop.set()  # a running job stops before its next batch
             logger.info("request %s: client disconnected; job %s", current_request_id(), _fate(future))

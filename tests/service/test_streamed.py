@@ -241,3 +241,24 @@ def test_output_dtype_is_the_same_streamed_and_whole(repo: Any, tmp_path: Path, 
     oracle = ndi.gaussian_filter(data.astype(np.float64), 2.0, truncate=4.0, mode="constant")
     scale = 255.0 if dtype == "uint8" else 1.0
     assert float(np.abs(got / scale - oracle).max()) <= (0.5 / 255 + 1e-6 if dtype == "uint8" else 1e-3)
+
+
+def test_http_streamed_request_runs_in_three_stages(repo: Any, tmp_path: Path, make_settings: Any) -> None:
+    """The sync route prepares and finishes off the device thread; the file is run_file's."""
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    source = tmp_path / "ct.nii.gz"
+    _ct(source, (41, 37, 23))
+    params = parse_params({"tile": "32"})
+    reference = run_file(repo.get("gaussian-3d"), source, tmp_path / "ref", params)
+    settings = make_settings(tmp_dir=tmp_path, device="cpu", warmup=False)
+    with TestClient(create_app(settings)) as client:
+        answer = client.post("/v1/models/gaussian-3d/infer?tile=32", content=source.read_bytes())
+        text = client.get("/metrics").text
+    assert answer.status_code == 200, answer.text
+    assert answer.content == reference.path.read_bytes()
+    assert answer.headers["x-tilewise-plan"] == reference.plan.header()
+    for stage in ("prepare", "queue", "execute", "finish"):
+        assert f'tilewise_stage_seconds_count{{stage="{stage}"}} 1.0' in text, stage
