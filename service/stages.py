@@ -314,7 +314,7 @@ def finish(prepared: Prepared) -> Any:
         if prepared.kept is not None:
             _copy_slabs(prepared.kept, target.array, 0 if prepared.output_kind == "labels" else 1)
         shape = tuple(int(n) for n in target.array.shape)
-        dtype = str(target.array.dtype)
+        dtype = str(target.array.dtype.newbyteorder("="))
         path = target.finish()
         plan = prepared.ran or prepared.plan
         seconds = time.perf_counter() - prepared.started

@@ -164,8 +164,8 @@ def _open(
         raw = path if fmt == "nii" else workdir / "output-raw.nii"
         info = nifti or {}
         shape = _nifti_shape(info, spatial, channels, labels)
-        offset = _write_nifti_header(raw, info, shape, dtype)
-        root = open_paged(raw, dtype, shape, mode="r+", offset=offset, order="F")
+        offset, stored = _write_nifti_header(raw, info, shape, dtype)
+        root = open_paged(raw, stored, shape, mode="r+", offset=offset, order="F")
         if labels or channels == 1:
             grid = root.reshape(spatial, order="F")
             array = grid if labels else grid[None]
@@ -220,10 +220,10 @@ def to_output_dtype(array: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
 
 def _write_nifti_header(
     path: Path, info: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype[Any]
-) -> int:
+) -> tuple[int, np.dtype[Any]]:
     """Write the NIfTI header (and extensions) of the output and size the file; returns the
-    voxels' byte offset. The header is the input's, as :func:`service.codecs.nifti.encode_nifti`
-    writes it (geometry kept, data type and shape set, scaling reset, display range cleared);
+    voxels' byte offset and stored dtype (in the header's byte order). The header is the input's,
+    as :func:`service.codecs.nifti.encode_nifti` writes it (geometry kept, data type and shape set, scaling reset, display range cleared);
     without an input NIfTI, a NIfTI-1 header with an identity affine and both codes 0."""
     import nibabel as nib
 
@@ -250,7 +250,7 @@ def _write_nifti_header(
         if fh.tell() < offset:
             fh.write(b"\0" * (offset - fh.tell()))
         fh.truncate(offset + math.prod(shape) * dtype.itemsize)
-    return offset
+    return offset, np.dtype(header.get_data_dtype())  # the input's byte order (big-endian stays)
 
 
 def _gzip(source: Path, target: Path) -> None:
