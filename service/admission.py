@@ -68,7 +68,8 @@ def check_request(spec: Any, params: InferenceParams) -> None:
     """
     from service.writers import check_output_dtype
 
-    fmt = params.format or spec.defaults.format
+    defaults = getattr(spec, "defaults", None)  # a stand-in repository's spec may have none
+    fmt = params.format or (defaults.format if defaults is not None else None)
     if fmt is not None:
         check_output_dtype(str(fmt), params)
     if fmt is not None and str(fmt) == "png" and int(spec.spatial_dims) != 2:

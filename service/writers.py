@@ -223,8 +223,9 @@ def _write_nifti_header(
 ) -> tuple[int, np.dtype[Any]]:
     """Write the NIfTI header (and extensions) of the output and size the file; returns the
     voxels' byte offset and stored dtype (in the header's byte order). The header is the input's,
-    as :func:`service.codecs.nifti.encode_nifti` writes it (geometry kept, data type and shape set, scaling reset, display range cleared);
-    without an input NIfTI, a NIfTI-1 header with an identity affine and both codes 0."""
+    as :func:`service.codecs.nifti.encode_nifti` writes it (geometry kept, data type and shape
+    set, scaling reset, display range cleared); without an input NIfTI, a NIfTI-1 header with an
+    identity affine and both codes 0."""
     import nibabel as nib
 
     source = info.get("header")

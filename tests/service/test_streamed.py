@@ -262,3 +262,15 @@ def test_http_streamed_request_runs_in_three_stages(repo: Any, tmp_path: Path, m
     assert answer.headers["x-tilewise-plan"] == reference.plan.header()
     for stage in ("prepare", "queue", "execute", "finish"):
         assert f'tilewise_stage_seconds_count{{stage="{stage}"}} 1.0' in text, stage
+
+
+def test_a_big_endian_nifti_streams_like_the_whole_path(repo: Any, tmp_path: Path) -> None:
+    source = tmp_path / "be.nii"
+    data = np.random.default_rng(5).random((21, 19, 17)).astype(">f4")
+    header = nib.Nifti1Header().as_byteswapped(">")
+    nib.save(nib.Nifti1Image(data, np.eye(4), header), source)
+    model = repo.get("gaussian-3d")
+    params = parse_params({"format": "nii", "tile": "20"})
+    streamed = run_file(model, source, tmp_path / "s", params)
+    assert streamed.path.read_bytes() == _whole(model, source, tmp_path / "w", params).read_bytes()
+    assert streamed.output_dtype == "float32"
