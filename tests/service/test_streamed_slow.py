@@ -10,6 +10,7 @@ Run it with ``pytest -m slow tests/service/test_streamed_slow.py``.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,11 @@ def test_ct_volumes_stream_within_300_mib_and_scale_with_the_tile(inputs: Path) 
             for name in ("ct400.nii", "ct400.nii.gz", "ct800.nii")}  # fmt: skip
     sys.stdout.write(json.dumps(rows, indent=1) + "\n")
     assert rows["ct400.nii"]["peak_mib"] <= 300 and rows["ct400.nii.gz"]["peak_mib"] <= 300, rows
-    assert rows["ct800.nii"]["peak_mib"] <= 1.15 * rows["ct400.nii"]["peak_mib"], rows
+    # The memory follows the tile: the planner sizes tiles to the grid, so 400 slices get 112-slice
+    # tiles and 800 slices 128-slice ones (1.14x the voxels); per tile voxel the peak is the same.
+    tile = {k: math.prod(int(n) for n in rows[k]["plan"].split(";")[0][5:].split(",")) for k in rows}
+    ratio = max(1.0, tile["ct800.nii"] / tile["ct400.nii"])
+    assert rows["ct800.nii"]["peak_mib"] <= 1.15 * ratio * rows["ct400.nii"]["peak_mib"], rows
     for row in rows.values():
         assert row["max_abs_diff"] <= 1e-6 * 1000 * 4, row  # HU magnitudes, float32
 
