@@ -114,6 +114,8 @@ def encode_tiff(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
     if "dpi" in volume.info:
         kwargs["resolution"] = tuple(volume.info["dpi"])
         kwargs["resolutionunit"] = "INCH"
+    # tiled and compressed, BigTIFF from 4 GB (DESIGN "third wave"), as streamed outputs are
+    kwargs.update(tile=(256, 256), compression="zlib", bigtiff=data.nbytes >= 2**32 - 2**25)
     tifffile.imwrite(path, np.ascontiguousarray(data), **kwargs)
 
 

@@ -149,6 +149,7 @@ def test_streamed_tiff_is_tiled_compressed_and_equals_the_whole_path(
         got = tif.asarray()
     assert streamed.format == "tiff" and got.shape == (613, 577) and got.dtype == np.float32
     assert np.array_equal(got, tifffile.imread(whole))
+    assert streamed.path.read_bytes() == whole.read_bytes()  # encode_tiff writes tiled zlib too
     oracle = ndi.gaussian_filter(page.astype(np.float64), 2.0, truncate=4.0, mode="constant")
     assert float(np.abs(got - oracle).max()) < 1e-4  # values up to 255: float32 rounding
 
