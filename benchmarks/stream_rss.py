@@ -175,6 +175,7 @@ def measure(
     from models import ModelRepository
     from models.params import parse_params
     from models.rss import fix_mmap_threshold, peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
+
     try:
         from service.admission import admit
     except ImportError:  # a tilewise from before admission (the "before" figures)
