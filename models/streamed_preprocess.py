@@ -27,7 +27,11 @@ from models.errors import InputError
 from models.preprocess import _apply, _unit_range
 from models.spec import ModelSpec, PreprocessStep
 
-__all__ = ["SLAB_BYTES", "RegionPreprocessed", "why_not_local"]
+__all__ = [
+    "RegionPreprocessed",
+    "SLAB_BYTES",
+    "why_not_local",
+]
 
 #: Bytes of the source read per slab in a statistics pass (32 MiB).
 SLAB_BYTES = 32 << 20
