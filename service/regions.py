@@ -180,10 +180,12 @@ def why_not_regions(path: Path, header: Any) -> str | None:
         return None
     if kind != "tiff":
         return f"{kind.upper()} is one compressed stream: it is decoded whole"
-    try:
-        import tifffile
-    except ImportError:  # pragma: no cover - a base dependency
-        return "tifffile is not installed"
+    import importlib.util
+
+    if importlib.util.find_spec("zarr") is None:  # pragma: no cover - a base dependency
+        return "zarr is not installed: TIFF is decoded whole"
+    import tifffile
+
     try:
         with tifffile.TiffFile(path) as tif:
             page = tif.pages.first
