@@ -78,3 +78,15 @@ def test_a_failing_forward_pass_fails_only_its_requests() -> None:
     with pytest.raises(RuntimeError, match="device lost"):
         batcher.client()(torch.zeros(2, 1, 8, 8))
     batcher.close()
+
+
+def test_simulated_accelerator_benchmark_cuts_forward_calls() -> None:
+    """benchmarks/shared_batch on a small case: 8 requests of 4 tiles planned one tile per pass
+    take 32 forward calls alone and at most a third of that shared (ratios, not times)."""
+    from benchmarks.shared_batch import run
+
+    result = run(requests=8, tiles=4, plan_batch=1, batch=8, cost_ms=5.0, wait_ms=20.0)
+    assert result["one_at_a_time"]["forward_calls"] == 32
+    assert result["forward_call_reduction"] >= 3, result
+    assert result["shared"]["max_requests_per_pass"] > 1 and result["max_abs_diff_vs_alone"] == 0.0
+    assert 0 < result["shared"]["busy"] <= 1 and 0 < result["one_at_a_time"]["busy"] <= 1
