@@ -5,6 +5,7 @@ Usage::
     python -m benchmarks.stream_rss make DIR [--quick]      # the inputs (CT volumes, big TIFFs, a PNG)
     python -m benchmarks.stream_rss measure MODEL INPUT OUTPUT [--max-image-pixels N] [--windows N]
     python -m benchmarks.stream_rss table DIR [--quick]      # every case: one JSON line each
+    python -m benchmarks.stream_rss http MODEL INPUT [--job]  # the same through a server
 
 ``measure`` runs in a fresh process what ``tilewise infer`` runs (admission, then
 :func:`service.pipeline.run_file`), after warming the process up (model loaded, footprint
@@ -233,6 +234,77 @@ def measure(
     return answer
 
 
+def http(model_name: str, source: Path, job: bool, folder: Path) -> dict[str, Any]:
+    """The rise of a ``tilewise serve`` process's peak resident memory (``VmHWM``, reset after a
+    warm-up request) while it answers ``source`` through ``POST /v1/models/MODEL/infer`` or a job
+    (the upload streamed from this process, the answer streamed to a file)."""
+    import os
+    import socket
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "TILEWISE_TMP_DIR": str(folder), "TILEWISE_JOBS_DIR": str(folder / "jobs")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--device", "cpu"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    status = Path(f"/proc/{server.pid}/status")
+
+    def kib(field: str) -> int:
+        line = next(ln for ln in status.read_text().splitlines() if ln.startswith(field))
+        return int(line.split()[1])
+
+    try:
+        with httpx.Client(base_url=base_url, timeout=3600) as client:
+            for _ in range(600):
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            small = np.zeros((40, 40, 40) if model_name.endswith("3d") else (64, 64), np.float32)
+            import nibabel as nib
+
+            warm = nib.Nifti1Image(small if small.ndim == 3 else small[..., None], np.eye(4)).to_bytes()
+            client.post(f"/v1/models/{model_name}/infer", content=warm)
+            Path(f"/proc/{server.pid}/clear_refs").write_text("5")
+            base = kib("VmRSS:")
+            started = time.perf_counter()
+            with open(source, "rb") as body:
+                if job:
+                    answer = client.post(f"/v1/jobs?model={model_name}", content=body)
+                    job_id = answer.json()["id"]
+                    while client.get(f"/v1/jobs/{job_id}").json()["state"] in ("queued", "running"):
+                        time.sleep(1)
+                    url = f"/v1/jobs/{job_id}/result"
+                else:
+                    answer = None
+                    url = None
+                size = 0
+                if url is None:
+                    with client.stream("POST", f"/v1/models/{model_name}/infer", content=body) as resp:
+                        code = resp.status_code
+                        for chunk in resp.iter_bytes(1 << 20):
+                            size += len(chunk)
+                else:
+                    with client.stream("GET", url) as resp:
+                        code = resp.status_code
+                        for chunk in resp.iter_bytes(1 << 20):
+                            size += len(chunk)
+            peak = kib("VmHWM:")
+        return {"model": model_name, "input": source.name, "route": "job" if job else "sync", "status": code,
+                "peak_mib": round((peak - base) / 1024, 1), "size_mib": round(size / 2**20, 1),
+                "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
 CASES = [
     ("gaussian-3d", "ct400.nii", "out-ct400.nii.gz"),
     ("gaussian-3d", "ct400.nii.gz", "out-ct400gz.nii.gz"),
@@ -273,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     me.add_argument("output", type=Path)
     me.add_argument("--max-image-pixels", type=int, default=None)
     me.add_argument("--windows", type=int, default=20)
+    ht = sub.add_parser("http")
+    ht.add_argument("model")
+    ht.add_argument("input", type=Path)
+    ht.add_argument("--job", action="store_true")
     ta = sub.add_parser("table")
     ta.add_argument("folder", type=Path)
     ta.add_argument("--windows", type=int, default=20)
@@ -281,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         make(args.folder, args.quick)
     elif args.command == "measure":
         print(json.dumps(measure(args.model, args.input, args.output, args.max_image_pixels, args.windows)))
+    elif args.command == "http":
+        print(json.dumps(http(args.model, args.input, args.job, args.input.parent)))
     else:
         table(args.folder, args.windows)
     return 0
