@@ -261,13 +261,20 @@ def prepare(
             tmp.cleanup()
 
 
-def _copy_slabs(source: Any, target: Any, lead: int, slab_bytes: int = 32 << 20) -> None:
-    """``target[...] = source`` slab by slab along axis ``lead`` (bounded memory)."""
-    length = int(source.shape[lead])
-    per = max(1, slab_bytes // max(1, source.nbytes // max(1, length)))
-    for lo in range(0, length, per):
-        index = (slice(None),) * lead + (slice(lo, lo + per),)
-        target[index] = np.asarray(source[index])
+def _copy_slabs(source: Any, target: Any, lead: int, block: int = 64) -> None:
+    """``target[...] = source`` block by block: ``block`` voxels along axis ``lead`` (the first
+    spatial axis) and along the last axis, every other axis whole. Source (C order, the
+    checkpoint) and target (Fortran order, a NIfTI) are contiguous along different axes, so a slab
+    along either one alone would touch every page of the other; a block touches a bounded number
+    of both, which :class:`~service.paged.PagedMemmap` hands back as it goes."""
+    first, last = int(source.shape[lead]), int(source.shape[-1])
+    spans_last = [(0, last)] if source.ndim - 1 == lead else [(z, z + block) for z in range(0, last, block)]
+    for x in range(0, first, block):
+        for z0, z1 in spans_last:
+            index = (slice(None),) * lead + (slice(x, x + block),)
+            if source.ndim - 1 != lead:
+                index = index + (Ellipsis, slice(z0, z1))
+            target[index] = np.asarray(source[index])
 
 
 class _Shape:
