@@ -66,3 +66,21 @@ def test_a_40k_tiled_bigtiff_streams_within_500_mib_and_the_png_is_still_refused
     for row in (slide, striped):
         assert row["max_abs_diff"] <= 1e-6 * 255 * 4, row
     assert png["refused"] == 413 and "max_image_pixels" in png["detail"], png
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("route", ["sync", "job"])
+def test_the_ct_through_a_server_streams_within_300_mib(inputs: Path, route: str) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.stream_rss",
+        "http",
+        "gaussian-3d",
+        str(inputs / "ct400.nii"),
+    ]
+    proc = subprocess.run(command + (["--job"] if route == "job" else []), capture_output=True, text=True,
+                          cwd=ROOT, check=True, timeout=3000)  # fmt: skip
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["status"] == 200 and row["peak_mib"] <= 300, row
