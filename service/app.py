@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from service.asgi import DrainMiddleware, HeadMiddleware, HeadSizeMiddleware
 from service.codecs import configure_pillow
 from service.executor import DeviceExecutor
+from service.guard import RequestGuardMiddleware
 from service.http_errors import error_response, install_error_handlers, plain_error_response
 from service.jobs import JobService, JobStore
 from service.memory import fix_mmap_threshold, release_free_memory
@@ -31,6 +32,7 @@ from service.requestid import RequestIdMiddleware
 from service.routes import health_router, v1_router
 from service.routes.apidocs import install_docs
 from service.routes.page import install_page
+from service.security import KeyRing
 from service.settings import Settings, get_settings
 from service.upload import UploadSlots
 from service.workdir import WorkRoot
@@ -91,6 +93,7 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         repository: an already loaded model repository (tests); built in the lifespan otherwise.
     """
     settings = settings or get_settings()
+    keyring = KeyRing.from_settings(settings)  # a malformed key file stops here (ValueError)
     configure_pillow(settings.max_image_pixels)
     metrics = Metrics()
 
@@ -120,12 +123,12 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         app.state.jobs = jobs
         app.state.ready = True
         logger.info(
-            "tilewise ready: device=%s queue_size=%d max_upload_bytes=%d max_voxels=%d api_key=%s",
+            "tilewise ready: device=%s queue_size=%d max_upload_bytes=%d max_voxels=%d api_keys=%s",
             device,
             settings.queue_size,
             settings.max_upload_bytes,
             settings.max_voxels,
-            "on" if settings.api_key is not None else "off",
+            ",".join(keyring.names()) or "off (anonymous: every client sees every job)",
         )
         try:
             yield
@@ -150,12 +153,35 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.keyring = keyring
     app.state.metrics = metrics
     app.state.ready = False
     app.state.draining = False
     app.state.stops = set()  # threading.Event of each running request: set to stop its run
     app.state.uploads = UploadSlots(settings.max_uploads, retry_after_s=settings.retry_after_s)
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
+    if settings.cors_origins:  # CORS is off unless configured
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
+            expose_headers=[
+                "Location",
+                "X-Request-ID",
+                "X-Tilewise-Plan",
+                "X-Tilewise-Seam",
+                "X-Tilewise-Warning",
+            ],  # fmt: skip
+        )
+    app.add_middleware(
+        RequestGuardMiddleware,
+        allowed_hosts=settings.allowed_hosts,
+        cors_origins=settings.cors_origins,
+        respond=plain_error_response,
+    )
     app.add_middleware(HeadSizeMiddleware, max_bytes=settings.max_header_bytes, respond=plain_error_response)
     app.add_middleware(
         RequestIdMiddleware,
