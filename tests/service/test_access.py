@@ -49,7 +49,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     stop_server(srv)
 
 
-def _submit(server: Server, key: str, *, seed: int = 0, headers: dict[str, str] | None = None) -> httpx.Response:
+def _submit(
+    server: Server, key: str, *, seed: int = 0, headers: dict[str, str] | None = None
+) -> httpx.Response:
     body = nifti((12, 11, 7), seed=seed)
     return httpx.post(
         f"{server.url}/v1/jobs",
@@ -115,7 +117,9 @@ def test_unknown_hosts_are_refused_but_probes_answer(server: Server) -> None:
     answer = httpx.get(f"{server.url}/v1/models", headers={**evil, **_auth(ALICE)})
     assert answer.status_code == 400 and answer.json()["error"] == "bad_host"
     assert httpx.get(f"{server.url}/healthz", headers=evil).status_code == 200
-    named = httpx.get(f"{server.url}/v1/models", headers={"Host": "tilewise.example.org:8080", **_auth(ALICE)})
+    named = httpx.get(
+        f"{server.url}/v1/models", headers={"Host": "tilewise.example.org:8080", **_auth(ALICE)}
+    )
     assert named.status_code == 200
 
 
@@ -171,7 +175,9 @@ def test_key_files_are_checked_and_hashed_keys_match(tmp_path: Path) -> None:
 def test_hosts_and_loopback() -> None:
     assert host_name("[::1]:8000") == "::1" and host_name("Example.ORG:80") == "example.org"
     assert host_allowed("localhost", []) and host_allowed("a.example.org", [".example.org"])
-    assert host_allowed("example.org", [".example.org"]) and not host_allowed("badexample.org", [".example.org"])
+    assert host_allowed("example.org", [".example.org"]) and not host_allowed(
+        "badexample.org", [".example.org"]
+    )
     assert host_allowed("anything", ["*"]) and not host_allowed("", ["*"])
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("tilewise.example")

@@ -239,7 +239,9 @@ def test_status_progress_and_eta() -> None:
         ["id", "model", "state", "tiles_done", "tiles_total", "progress", "eta_s", "created", "started",
          "finished", "error", "params", "stage"]
     )  # fmt: skip
-    queued = job_status(record.model_copy(update={"state": JobState.QUEUED, "tiles_total": None, "tiles_done": 0}))
+    queued = job_status(
+        record.model_copy(update={"state": JobState.QUEUED, "tiles_total": None, "tiles_done": 0})
+    )
     assert queued["progress"] == 0.0 and queued["eta_s"] is None
     done = job_status(record.model_copy(update={"state": JobState.DONE, "finished_at": 20.0}))
     assert done["progress"] == 1.0 and done["eta_s"] == 0.0
