@@ -143,3 +143,24 @@ def test_a_job_whose_servers_keep_dying_fails(replica, tmp_path):
     job_id = submit(a, tmp_path, {"tile": "16", "halo": "4"}, attempts=MAX_ATTEMPTS)
     record = wait_state(a.store, job_id, "failed")
     assert record.error.error == "too_many_attempts" and record.tiles_done == 0
+
+
+def test_finished_jobs_keep_at_most_jobs_max_bytes_oldest_removed_first(replica, tmp_path):
+    """TILEWISE_JOBS_MAX_BYTES: each finished job's result counts; when one more finishes over the
+    cap, the oldest finished go first, and the one just finished stays (its client downloads it)."""
+    probe = replica()
+    first = submit(probe, tmp_path, {"tile": "16", "halo": "4"})
+    size = probe.store.folder_bytes(first) if wait_state(probe.store, first, "done") else 0
+    stop(probe)
+    assert size > 1000
+    service = replica(jobs_max_bytes=int(2.5 * size))  # room for two results, not three
+    ids = [first]
+    for _ in range(3):
+        ids.append(submit(service, tmp_path, {"tile": "16", "halo": "4"}))
+        wait_state(service.store, ids[-1], "done")
+    kept = [job_id for job_id in ids if service.store.exists(job_id)]
+    assert kept == ids[-2:]
+    with pytest.raises(JobNotFoundError):
+        service.store.read(ids[0])
+    finished = [e for e in service.store.index.entries().values() if e.finished_at is not None]
+    assert sum(e.bytes for e in finished) <= 2.5 * size and len(finished) == 2
