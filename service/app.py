@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.responses import Response
 
 from service.asgi import DrainMiddleware, HeadMiddleware, HeadSizeMiddleware
 from service.codecs import configure_pillow
@@ -38,6 +40,8 @@ from service.upload import UploadSlots
 from service.workdir import WorkRoot
 
 __all__ = ["create_app"]
+
+_HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +164,7 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
     app.state.stops = set()  # threading.Event of each running request: set to stop its run
     app.state.uploads = UploadSlots(settings.max_uploads, retry_after_s=settings.retry_after_s)
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
+    app.add_exception_handler(405, _method_not_allowed)
     if settings.cors_origins:  # CORS is off unless configured
         from starlette.middleware.cors import CORSMiddleware
 
@@ -194,6 +199,23 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
     install_docs(app)
     install_page(app)
     return app
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    """405 with ``Allow`` listing the methods the OpenAPI document gives the path (Starlette names
+    only the first route's: ``GET`` for ``/v1/jobs/{id}``, which also has ``DELETE``)."""
+    methods: set[str] = set()
+    path = request.url.path
+    paths = request.app.openapi().get("paths", {})
+    if path in paths:  # a literal path wins over templates (/v1/models/reload, not /v1/models/{name})
+        methods = {m.upper() for m in paths[path] if m in _HTTP_METHODS}
+    for template, operations in paths.items() if not methods else ():
+        if re.fullmatch(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)), path):
+            methods |= {m.upper() for m in operations if m in _HTTP_METHODS}
+    response = error_response(exc)
+    if methods:
+        response.headers["Allow"] = ", ".join(sorted(methods))
+    return response
 
 
 def _version() -> str:

@@ -28,8 +28,10 @@ import hmac
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPBearer
 
 from service.errors import AuthenticationError, ForbiddenError
 from service.jobs.index import OWNER_RE
@@ -167,7 +169,16 @@ def _keyring(request: Request) -> KeyRing:
     return ring
 
 
-async def require_api_key(request: Request) -> Principal:
+#: Documents the scheme in the OpenAPI document (``security``); the header is checked below.
+_BEARER = HTTPBearer(
+    auto_error=False,
+    description="An API key (`TILEWISE_API_KEY`, `TILEWISE_API_KEYS`) when the server has keys.",
+)
+
+
+async def require_api_key(
+    request: Request, _documented: Annotated[object, Depends(_BEARER)] = None
+) -> Principal:
     """FastAPI dependency: the request's :class:`Principal` (also on ``request.state.principal``).
 
     Raises:
@@ -187,7 +198,9 @@ async def require_api_key(request: Request) -> Principal:
     return principal
 
 
-async def require_admin(request: Request) -> Principal:
+async def require_admin(
+    request: Request, _documented: Annotated[object, Depends(_BEARER)] = None
+) -> Principal:
     """FastAPI dependency: an admin key (or no key configured).
 
     Raises:

@@ -123,7 +123,7 @@ def _parse(request: Request, repository: Any) -> tuple[str, InferenceParams]:
 _SUBMIT_OPENAPI = {
     "parameters": [
         {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}},
-        *params_doc(),
+        *params_doc(exclude=("dry_run",)),  # a job always runs: refused with 400
         {
             "name": "Idempotency-Key",
             "in": "header",
@@ -136,11 +136,11 @@ _SUBMIT_OPENAPI = {
         "required": True,
         "description": "The file, raw or as the multipart field `file` (as for the synchronous endpoint).",
         "content": {
-            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary", "minLength": 1}},
             "multipart/form-data": {
                 "schema": {
                     "type": "object",
-                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "properties": {"file": {"type": "string", "format": "binary", "minLength": 1}},
                     "required": ["file"],
                 }
             },
@@ -158,7 +158,10 @@ _SUBMIT_OPENAPI = {
         400: error_doc("bad_parameter", "Missing model, invalid parameter or key, or an empty body."),
         404: error_doc("unknown_model", "No model of this name."),
         409: error_doc("idempotency_key_reused", "The key names a job of another model or parameters."),
+        408: error_doc("upload_timeout", "The upload stalled, or arrived below the minimum rate."),
         413: error_doc("payload_too_large", "Upload, image or plan over the limits."),
+        415: error_doc("unsupported_media_type", "Not a format tilewise reads (by content)."),
+        422: error_doc("unusable_input", "Corrupt file, wrong dimensionality, or a plan over the limits."),
         503: error_doc("queue_full", "The device queue is full; retry after `Retry-After` seconds."),
     },
 )
@@ -233,7 +236,7 @@ async def submit_job(
             await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, folder, ignore_errors=True))
 
 
-@router.get("/jobs")
+@router.get("/jobs", responses={400: error_doc("bad_parameter", "`limit` is not an integer from 1 to 1000.")})
 async def list_jobs(
     service: JobsDep,
     principal: PrincipalDep,
@@ -281,7 +284,12 @@ async def job_events(job_id: str, service: JobsDep, principal: PrincipalDep) -> 
 @router.get(
     "/jobs/{job_id}/result",
     responses={
-        200: {"description": "The output file, as the synchronous endpoint returns it (same headers)."},
+        200: {
+            "description": "The output file, as the synchronous endpoint returns it (same headers).",
+            "content": {
+                t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")
+            },
+        },
         404: _UNKNOWN,
         409: error_doc("job_not_done", "The job is not done (yet, or it failed or was cancelled)."),
     },
