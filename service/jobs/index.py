@@ -148,7 +148,8 @@ class JobIndex:
     # -- reading ------------------------------------------------------------------------------------
 
     def entries(self) -> dict[str, IndexEntry]:
-        """The live jobs by id (a fresh copy). Only what was appended since the last call is parsed."""
+        """The live jobs by id (a new dict; its entries are shared: do not change them). Only what
+        was appended since the last call is parsed."""
         self._ensure(create=False)
         with self._mutex:
             try:
@@ -167,7 +168,7 @@ class JobIndex:
                 self._lines += 1
                 self._apply(raw.decode("ascii", "replace").split(" "))
             self._offset += end
-            return {k: IndexEntry(**vars(v)) for k, v in self._entries.items()}
+            return dict(self._entries)
 
     def _apply(self, fields: list[str]) -> None:
         try:
@@ -178,8 +179,10 @@ class JobIndex:
                 owner = None if fields[3] == "-" else fields[3]
                 self._entries[job_id] = IndexEntry(job_id, float(fields[2]), owner)
             elif kind == "f" and len(fields) == 4 and job_id in self._entries:
-                entry = self._entries[job_id]
-                entry.finished_at, entry.bytes = float(fields[2]), int(fields[3])
+                old = self._entries[job_id]  # replaced, not changed: callers may hold the old one
+                self._entries[job_id] = IndexEntry(
+                    old.id, old.created_at, old.owner, float(fields[2]), int(fields[3])
+                )
             elif kind == "r":
                 self._entries.pop(job_id, None)
         except (IndexError, ValueError):
