@@ -36,6 +36,7 @@ from tiling import RunCancelledError
         "0" * 31 + "/",
         "state.json",
         "0" * 31 + "\n",
+        "0" * 32 + "\n",  # re.match with $ accepted it: fullmatch does not
     ],
 )
 def test_malformed_ids_never_reach_the_file_system(tmp_path: Path, job_id: str) -> None:

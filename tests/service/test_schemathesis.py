@@ -73,7 +73,8 @@ def _run_all(api_schema, examples: int) -> None:
                 database=None,
             )
             def check(case) -> None:
-                statuses[case.meta.generation.mode].append(case.call_and_validate(checks=checks, timeout=120).status_code)
+                response = case.call_and_validate(checks=checks, timeout=120)
+                statuses[case.meta.generation.mode].append(response.status_code)
 
             try:
                 check()
