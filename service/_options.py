@@ -22,6 +22,7 @@ __all__ = [
     "argparse_number",
     "blank_to_none",
     "bytes_with_unit",
+    "comma_list",
     "param_values",
     "parse_bytes",
     "plain_text",
@@ -120,6 +121,14 @@ def bytes_with_unit(value: object) -> object:
 def blank_to_none(value: object) -> object:
     """A pydantic "before" validator: an empty string (``TILEWISE_API_KEY=``) means unset."""
     return None if isinstance(value, str) and not value else value
+
+
+def comma_list(value: object) -> object:
+    """A pydantic "before" validator: ``"a, b"`` -> ``("a", "b")``; an empty string is ``None``."""
+    if isinstance(value, str):
+        items = tuple(item.strip() for item in value.split(",") if item.strip())
+        return items or None
+    return value
 
 
 # :role:`~a.b.C` -> C, :role:`text` -> text, ``code`` -> code, `text` -> text, "Example::" -> "Example:".

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.responses import Response
 
 from service.asgi import DrainMiddleware, HeadMiddleware, HeadSizeMiddleware
 from service.codecs import configure_pillow
 from service.executor import DeviceExecutor
+from service.guard import RequestGuardMiddleware
 from service.http_errors import error_response, install_error_handlers, plain_error_response
 from service.jobs import JobService, JobStore
 from service.memory import fix_mmap_threshold, release_free_memory
@@ -31,12 +34,15 @@ from service.requestid import RequestIdMiddleware
 from service.routes import health_router, v1_router
 from service.routes.apidocs import install_docs
 from service.routes.page import install_page
+from service.security import KeyRing
 from service.settings import Settings, get_settings
 from service.sharing import SharedBatches
 from service.upload import UploadSlots
 from service.workdir import WorkRoot
 
 __all__ = ["create_app"]
+
+_HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +98,7 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         repository: an already loaded model repository (tests); built in the lifespan otherwise.
     """
     settings = settings or get_settings()
+    keyring = KeyRing.from_settings(settings)  # a malformed key file stops here (ValueError)
     configure_pillow(settings.max_image_pixels)
     metrics = Metrics()
 
@@ -127,12 +134,12 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         app.state.jobs = jobs
         app.state.ready = True
         logger.info(
-            "tilewise ready: device=%s queue_size=%d max_upload_bytes=%d max_voxels=%d api_key=%s",
+            "tilewise ready: device=%s queue_size=%d max_upload_bytes=%d max_voxels=%d api_keys=%s",
             device,
             settings.queue_size,
             settings.max_upload_bytes,
             settings.max_voxels,
-            "on" if settings.api_key is not None else "off",
+            ",".join(keyring.names()) or "off (anonymous: every client sees every job)",
         )
         try:
             yield
@@ -159,12 +166,36 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.keyring = keyring
     app.state.metrics = metrics
     app.state.ready = False
     app.state.draining = False
     app.state.stops = set()  # threading.Event of each running request: set to stop its run
     app.state.uploads = UploadSlots(settings.max_uploads, retry_after_s=settings.retry_after_s)
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
+    app.add_exception_handler(405, _method_not_allowed)
+    if settings.cors_origins:  # CORS is off unless configured
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key"],
+            expose_headers=[
+                "Location",
+                "X-Request-ID",
+                "X-Tilewise-Plan",
+                "X-Tilewise-Seam",
+                "X-Tilewise-Warning",
+            ],  # fmt: skip
+        )
+    app.add_middleware(
+        RequestGuardMiddleware,
+        allowed_hosts=settings.allowed_hosts,
+        cors_origins=settings.cors_origins,
+        respond=plain_error_response,
+    )
     app.add_middleware(HeadSizeMiddleware, max_bytes=settings.max_header_bytes, respond=plain_error_response)
     app.add_middleware(
         RequestIdMiddleware,
@@ -177,6 +208,23 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
     install_docs(app)
     install_page(app)
     return app
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    """405 with ``Allow`` listing the methods the OpenAPI document gives the path (Starlette names
+    only the first route's: ``GET`` for ``/v1/jobs/{id}``, which also has ``DELETE``)."""
+    methods: set[str] = set()
+    path = request.url.path
+    paths = request.app.openapi().get("paths", {})
+    if path in paths:  # a literal path wins over templates (/v1/models/reload, not /v1/models/{name})
+        methods = {m.upper() for m in paths[path] if m in _HTTP_METHODS}
+    for template, operations in paths.items() if not methods else ():
+        if re.fullmatch(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)), path):
+            methods |= {m.upper() for m in operations if m in _HTTP_METHODS}
+    response = error_response(exc)
+    if methods:
+        response.headers["Allow"] = ", ".join(sorted(methods))
+    return response
 
 
 def _version() -> str:

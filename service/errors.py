@@ -6,6 +6,9 @@ Hierarchy (each class also inherits the builtin it refines, so ``except ValueErr
       BadParameterError(ServiceError, ValueError)        query / option value
       EmptyBodyError(ServiceError, ValueError)           no file in the request
       AuthenticationError(ServiceError)                  missing or wrong API key
+      ForbiddenError(ServiceError)                       a key that may not do this (not admin)
+        CrossOriginError                                 a state-changing request from another site
+      BadHostError(ServiceError)                         a Host header not in TILEWISE_ALLOWED_HOSTS
       UnsupportedMediaTypeError(ServiceError)            not a format tilewise reads
       DecodeError(ServiceError, ValueError)              corrupt / truncated file
       UnusableInputError(ServiceError, ValueError)       wrong dims, NaN-only data
@@ -29,10 +32,13 @@ from __future__ import annotations
 
 __all__ = [
     "AuthenticationError",
+    "BadHostError",
     "BadParameterError",
     "ClusterUnavailableError",
+    "CrossOriginError",
     "DecodeError",
     "EmptyBodyError",
+    "ForbiddenError",
     "IdempotencyKeyReusedError",
     "InsufficientStorageError",
     "JobNotFoundError",
@@ -63,6 +69,18 @@ class EmptyBodyError(ServiceError, ValueError):
 
 class AuthenticationError(ServiceError):
     """The API key is missing or wrong."""
+
+
+class ForbiddenError(ServiceError):
+    """The key is right but may not do this (e.g. reload the models without an admin key)."""
+
+
+class CrossOriginError(ForbiddenError):
+    """A state-changing request sent by a page of another origin (CSRF), refused."""
+
+
+class BadHostError(ServiceError):
+    """The ``Host`` header names none of ``TILEWISE_ALLOWED_HOSTS`` (DNS rebinding)."""
 
 
 class UnsupportedMediaTypeError(ServiceError):

@@ -9,7 +9,19 @@ Variable                          Meaning
 ``TILEWISE_MAX_VOXELS``           largest accepted image, voxels or pixels times slices (413 beyond)
 ``TILEWISE_MAX_IMAGE_PIXELS``     Pillow's decompression-bomb limit for 2D images (413 beyond)
 ``TILEWISE_QUEUE_SIZE``           requests allowed to wait for the device, uploading or uploaded (503 beyond)
-``TILEWISE_API_KEY``              when set, ``/v1/*`` requires ``Authorization: Bearer <key>``
+``TILEWISE_API_KEY``              one key: ``/v1/*`` then requires ``Authorization: Bearer <key>``; its
+                                  name is ``default`` and it is an admin key (:mod:`service.security`)
+``TILEWISE_API_KEYS``             a file of named keys, one ``name:key`` or ``name:sha256:HEX`` a line;
+                                  a client sees only its own jobs, the key named ``admin`` every job
+``TILEWISE_ALLOW_ANONYMOUS``      serve without a key on an address other than loopback (default false:
+                                  ``tilewise serve`` refuses to start so)
+``TILEWISE_ALLOWED_HOSTS``        ``Host`` names accepted, comma-separated (``*`` any, ``.example.org`` a
+                                  domain and its subdomains; loopback names always); default: loopback
+                                  names when ``tilewise serve`` binds a loopback address, else any
+``TILEWISE_CORS_ORIGINS``         origins (``https://app.example.org``) whose pages may call the API,
+                                  comma-separated (default: none; other origins' POST/DELETE are 403)
+``TILEWISE_JOBS_MAX_BYTES``       bytes finished jobs may keep in the jobs folder; beyond, the oldest
+                                  finished are removed first (sizes with units; default: no cap)
 ``TILEWISE_RETRY_AFTER_S``        the ``Retry-After`` value sent with 503
 ``TILEWISE_TMP_DIR``              folder for upload / result temporary files (default: system)
 ``TILEWISE_WARMUP``               run every model once on a tiny input at start-up
@@ -67,9 +79,9 @@ from typing import Annotated
 
 from PIL import Image
 from pydantic import BeforeValidator, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service._options import blank_to_none, bytes_with_unit
+from service._options import blank_to_none, bytes_with_unit, comma_list
 from service.memory import memory_limit_bytes
 
 __all__ = ["Settings", "get_settings"]
@@ -101,6 +113,11 @@ class Settings(BaseSettings):
     #: How long a shared forward batch that is not full waits for tiles (milliseconds).
     batch_wait_ms: float = Field(default=5.0, ge=0, le=1000)
     api_key: Annotated[SecretStr | None, BeforeValidator(blank_to_none)] = None  # empty: no key
+    api_keys: Annotated[Path | None, BeforeValidator(blank_to_none)] = None
+    allow_anonymous: bool = False
+    allowed_hosts: Annotated[tuple[str, ...] | None, NoDecode, BeforeValidator(comma_list)] = None
+    cors_origins: Annotated[tuple[str, ...] | None, NoDecode, BeforeValidator(comma_list)] = None
+    jobs_max_bytes: Annotated[int | None, BeforeValidator(bytes_with_unit)] = Field(default=None, ge=1)
     retry_after_s: int = Field(default=2, ge=0)
     tmp_dir: Path | None = None
     warmup: bool = True

@@ -4,11 +4,18 @@ Every setting is an option here and a ``TILEWISE_*`` environment variable (see
 :mod:`service.settings`); an option wins over its variable. Give the API key through
 ``TILEWISE_API_KEY`` rather than ``--api-key``: a command line is visible to every user of the
 machine (``ps``).
+
+Safe defaults: without a key (``TILEWISE_API_KEY`` or ``TILEWISE_API_KEYS``) the server refuses to
+start on an address other than loopback unless ``TILEWISE_ALLOW_ANONYMOUS=true`` (anyone who
+reaches the port would read, download and cancel every job); bound to loopback, it answers only
+requests whose ``Host`` is a loopback name unless ``TILEWISE_ALLOWED_HOSTS`` says otherwise (a web
+page cannot reach it by DNS rebinding).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +41,10 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--max-voxels", "max_voxels", _positive, "largest image, voxels (default: 2**30)"),
     ("--max-image-pixels", "max_image_pixels", _positive, "decompression-bomb limit of 2D images"),
     ("--api-key", "api_key", str, "key required on /v1 (Bearer); better the variable: ps shows argv"),
+    ("--api-keys", "api_keys", Path, "file of named keys, name:key or name:sha256:HEX a line"),
+    ("--allowed-hosts", "allowed_hosts", str, "Host names answered, comma-separated (loopback: loopback)"),
+    ("--cors-origins", "cors_origins", str, "origins whose pages may call the API (none)"),
+    ("--jobs-max-bytes", "jobs_max_bytes", argparse_bytes, "bytes finished jobs may keep (no cap)"),
     ("--retry-after", "retry_after_s", _count, "Retry-After seconds sent with 503 (default: 2)"),
     ("--tmp-dir", "tmp_dir", Path, "folder of temporary upload/result files (default: the system's)"),
     ("--graceful-shutdown", "graceful_shutdown_s", _count, "on SIGTERM, seconds to finish requests (120)"),
@@ -85,6 +96,15 @@ def register(sub: Any) -> None:
         help="skip the warm-up run of each model at start-up; TILEWISE_WARMUP=false",
     )
     parser.add_argument(
+        "--allow-anonymous",
+        dest="allow_anonymous",
+        action="store_const",
+        const=True,
+        default=None,
+        help="serve without an API key on an address other than loopback (anyone who reaches it sees "
+        "every job); TILEWISE_ALLOW_ANONYMOUS=true",
+    )
+    parser.add_argument(
         "--strict-models",
         dest="strict_models",
         action="store_const",
@@ -100,7 +120,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     """The :class:`~service.settings.Settings` of ``args``: options over ``TILEWISE_*`` variables."""
     from service.settings import Settings
 
-    fields = [field for _, field, _, _ in _SETTINGS] + ["warmup", "strict_models"]
+    fields = [field for _, field, _, _ in _SETTINGS] + ["warmup", "strict_models", "allow_anonymous"]
     given = {field: getattr(args, field) for field in fields if getattr(args, field) is not None}
     return Settings(**given)
 
@@ -118,8 +138,15 @@ def _run(args: argparse.Namespace) -> int:
         for err in exc.errors():
             logger.error("%s: %s", ".".join(str(p) for p in err["loc"]), err["msg"])
         return 2
+    settings = exposure_check(settings, args.host)
+    if settings is None:
+        return 2
     logger.info("starting tilewise on http://%s:%d", args.host, args.port)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # a malformed TILEWISE_API_KEYS file (named by line, never the key)
+        logger.error("%s", exc)
+        return 2
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -131,3 +158,48 @@ def _run(args: argparse.Namespace) -> int:
     )
     DrainingServer(config, app.state, settings.drain_s).run()
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only (``127.0.0.0/8``, ``::1``, ``localhost``)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
+
+
+def exposure_check(settings: Any, host: str) -> Any:
+    """``settings`` fit to serve on ``host``, or ``None`` (said in the log) when they are unsafe.
+
+    - no API key on an address other than loopback: refused unless ``allow_anonymous`` (then a
+      warning says so);
+    - on loopback, ``allowed_hosts`` unset: only loopback ``Host`` names are answered.
+    """
+    from service.guard import LOOPBACK_HOSTS
+    from service.security import KeyRing
+
+    try:
+        keyed = KeyRing.from_settings(settings).enabled
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return None
+    loopback = is_loopback(host)
+    if not keyed and not loopback:
+        if not settings.allow_anonymous:
+            logger.error(
+                "refusing to serve on %s without an API key: anyone who reaches it could read, download "
+                "and cancel every job and run every model. Set TILEWISE_API_KEY (or TILEWISE_API_KEYS), "
+                "bind 127.0.0.1, or set TILEWISE_ALLOW_ANONYMOUS=true to accept that",
+                host,
+            )
+            return None
+        logger.warning(
+            "serving on %s WITHOUT an API key (TILEWISE_ALLOW_ANONYMOUS=true): every client that reaches "
+            "this address sees, downloads and cancels every job",
+            host,
+        )
+    if loopback and settings.allowed_hosts is None:
+        settings = settings.model_copy(update={"allowed_hosts": LOOPBACK_HOSTS})
+    return settings

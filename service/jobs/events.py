@@ -25,7 +25,8 @@ from typing import Any
 import anyio
 
 from service.errors import JobNotFoundError
-from service.jobs.store import JobState, iso_utc
+from service.jobs.record import JobRecord, JobState
+from service.jobs.store import iso_utc
 
 __all__ = ["KEEPALIVE_S", "POLL_S", "event_stream", "job_status"]
 
@@ -33,32 +34,33 @@ POLL_S = 0.1
 KEEPALIVE_S = 15.0
 
 
-def job_status(record: dict[str, Any]) -> dict[str, Any]:
+def job_status(record: JobRecord) -> dict[str, Any]:
     """The public status document of a job record."""
-    state = JobState(record["state"])
-    total = record.get("tiles_total")
-    done = int(record.get("tiles_done") or 0)
+    state = record.state
+    total = record.tiles_total
+    done = record.tiles_done
     progress = 1.0 if state is JobState.DONE else (min(1.0, done / total) if total else 0.0)
     eta: float | None = None
     if state.finished:
         eta = 0.0
-    elif state is JobState.RUNNING and total and record.get("run_tiles"):
-        rate = record["run_tiles"] / max(1e-6, record["progress_at"] - record["run_started_at"])
+    elif state is JobState.RUNNING and total and record.run_tiles:
+        started = record.run_started_at or 0.0
+        rate = record.run_tiles / max(1e-6, (record.progress_at or started) - started)
         eta = round(max(0, total - done) / rate, 1)
     return {
-        "id": record["id"],
-        "model": record["model"],
+        "id": record.id,
+        "model": record.model,
         "state": state.value,
         "tiles_done": done,
         "tiles_total": total,
         "progress": round(progress, 4),
         "eta_s": eta,
-        "created": iso_utc(record.get("created_at")),
-        "started": iso_utc(record.get("started_at")),
-        "finished": iso_utc(record.get("finished_at")),
-        "error": record.get("error"),
-        "params": record.get("query", {}),
-        "stage": record.get("stage"),
+        "created": iso_utc(record.created_at),
+        "started": iso_utc(record.started_at),
+        "finished": iso_utc(record.finished_at),
+        "error": record.error.model_dump() if record.error else None,
+        "params": record.query,
+        "stage": record.stage,
     }
 
 
@@ -67,7 +69,7 @@ def _event(name: str, data: dict[str, Any], event_id: int) -> bytes:
 
 
 async def event_stream(
-    read: Callable[[], dict[str, Any]], *, poll_s: float = POLL_S, keepalive_s: float = KEEPALIVE_S
+    read: Callable[[], JobRecord], *, poll_s: float = POLL_S, keepalive_s: float = KEEPALIVE_S
 ) -> AsyncIterator[bytes]:
     """Server-sent events of one job: ``progress`` per change, then its final state.
 

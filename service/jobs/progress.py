@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from service.jobs.lease import Lease
+from service.jobs.record import JobRecord
 from service.jobs.store import JobStore
 from service.metrics import Metrics
 from tiling import ResumePoint
@@ -37,12 +38,12 @@ class RunProgress:
         metrics: tiles computed and resumed are counted here.
     """
 
-    def __init__(self, record: dict[str, Any], lease: Lease, store: JobStore, metrics: Metrics) -> None:
+    def __init__(self, record: JobRecord, lease: Lease, store: JobStore, metrics: Metrics) -> None:
         self.store = store
         self.metrics = metrics
         self.record = record
         self.lease = lease
-        self.model = record["model"]
+        self.model = record.model
         self.first = 0
         self.computed = 0
         self.written_at = 0.0
@@ -63,30 +64,28 @@ class RunProgress:
         with self.lock:
             record = self.record
             self.first = point.first_tile if len(plan.flips) == 1 else 0
-            before = int(record.get("tiles_done") or 0) if point.rows_done else 0
-            record.update(
-                tiles_total=plan.n_tiles,
-                tiles_done=min(plan.n_tiles, max(before, self.first)),
-                run_started_at=time.time(),
-                run_tiles=0,
-            )
+            before = record.tiles_done if point.rows_done else 0
+            record.tiles_total = plan.n_tiles
+            record.tiles_done = min(plan.n_tiles, max(before, self.first))
+            record.run_started_at, record.run_tiles = time.time(), 0
             if self.first:
                 self.metrics.job_tiles_resumed.labels(self.model).inc(self.first)
-                logger.info("job %s: resumed at tile %d of %d", record["id"], self.first, plan.n_tiles)
+                logger.info("job %s: resumed at tile %d of %d", record.id, self.first, plan.n_tiles)
             self.write(force=True)
 
     def on_plan(self, plan: Any) -> None:
         """A run without a checkpoint (on a Dask cluster) made its plan: the tiles to do."""
         with self.lock:
             self.first = 0
-            now = time.time()
-            self.record.update(tiles_total=plan.n_tiles, tiles_done=0, run_started_at=now, run_tiles=0)
+            record = self.record
+            record.tiles_total, record.tiles_done = plan.n_tiles, 0
+            record.run_started_at, record.run_tiles = time.time(), 0
             self.write(force=True)
 
     def stage(self, text: str) -> None:
         """The run moved on to another stage (the job's ``stage``, e.g. ``dask: running 27 chunks``)."""
         with self.lock:
-            self.record["stage"] = text
+            self.record.stage = text
             self.write(force=True)
 
     def tiles(self, n: int) -> None:
@@ -94,10 +93,9 @@ class RunProgress:
         with self.lock:
             self.computed += n
             record = self.record
-            total = int(record.get("tiles_total") or 0)
-            done = max(int(record.get("tiles_done") or 0), self.first + self.computed)
-            record["tiles_done"] = min(total, done)
-            record.update(run_tiles=self.computed, progress_at=time.time())
+            done = max(record.tiles_done, self.first + self.computed)
+            record.tiles_done = min(record.tiles_total or 0, done)
+            record.run_tiles, record.progress_at = self.computed, time.time()
             self.metrics.tiles.labels(self.model).inc(n)
             self.metrics.job_tiles_computed.labels(self.model).inc(n)
             self.write()
@@ -105,5 +103,5 @@ class RunProgress:
     def save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A slab is on disk: record it (durably, it is what a later run trusts)."""
         with self.lock:
-            self.record["checkpoint"] = checkpoint
+            self.record.checkpoint = checkpoint
             self.write(durable=True, force=True)

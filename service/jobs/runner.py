@@ -41,7 +41,8 @@ from service.http_errors import classify
 from service.jobs.checkpoint import SlabCheckpoint
 from service.jobs.lease import Lease, Leases
 from service.jobs.progress import RunProgress
-from service.jobs.store import INPUT_FILE, PARTIAL_FILE, JobState, JobStore
+from service.jobs.record import JobError, JobRecord, JobResult, JobState
+from service.jobs.store import INPUT_FILE, PARTIAL_FILE, JobStore
 from service.metrics import Metrics
 from service.pipeline import InferenceResult, Limits, run_file
 from tiling import RunCancelledError
@@ -132,29 +133,20 @@ class JobService:
     # -- submission and cancellation ----------------------------------------------------------------
 
     def create(
-        self, job_id: str, model: str, query: dict[str, str], key_hash: str | None
-    ) -> tuple[dict[str, Any], Lease]:
-        """Record a new job whose input is in its folder; returns its record and lease."""
+        self, job_id: str, model: str, query: dict[str, str], key_hash: str | None, owner: str | None = None
+    ) -> tuple[JobRecord, Lease]:
+        """Record a new job whose input is in its folder; returns its record and lease.
+
+        Args:
+            owner: the name of the API key that submitted it (``None``: no key configured).
+        """
         lease = self.leases.take(self.store.folder(job_id))
         if lease is None:  # pragma: no cover - a fresh folder has no lease
             raise RuntimeError(f"job {job_id}: cannot take the lease of a new job")
-        now = time.time()
-        record: dict[str, Any] = {
-            "id": job_id,
-            "model": model,
-            "query": query,
-            "state": JobState.QUEUED.value,
-            "created_at": now,
-            "started_at": None,
-            "finished_at": None,
-            "tiles_done": 0,
-            "tiles_total": None,
-            "error": None,
-            "attempts": 0,
-            "key_hash": key_hash,
-        }
-        self.store.write(record, durable=True)
-        self.store.set_active(job_id, True)
+        record = JobRecord(
+            id=job_id, model=model, query=query, created_at=time.time(), key_hash=key_hash, owner=owner
+        )
+        self.store.add(record)
         return record, lease
 
     def enqueue(self, lease: Lease, slot: Slot) -> None:
@@ -170,7 +162,7 @@ class JobService:
     def cancel(self, job_id: str) -> None:
         """Ask for the job's cancellation; when nobody holds it, cancel it here."""
         record = self.store.read(job_id)
-        if JobState(record["state"]).finished:
+        if record.state.finished:
             return
         self.store.request_cancel(job_id)
         with self._lock:
@@ -211,23 +203,24 @@ class JobService:
         if not lease.valid():
             return
         record = self.store.read(job_id)
-        if JobState(record["state"]).finished:
+        if record.state.finished:
             return
         if self.store.cancel_requested(job_id):
             self._finish(record, lease, JobState.CANCELLED)
             return
         if held.stop.is_set():
             return
-        record["attempts"] = int(record.get("attempts") or 0) + 1
-        if record["attempts"] > MAX_ATTEMPTS:
+        record.attempts += 1
+        if record.attempts > MAX_ATTEMPTS:
             detail = f"the servers running the job died {MAX_ATTEMPTS} times before it finished"
-            error = {"error": "too_many_attempts", "detail": detail}
+            error = JobError(error="too_many_attempts", detail=detail)
             self._finish(record, lease, JobState.FAILED, error=error)
             return
-        record.update(state=JobState.RUNNING.value, started_at=record.get("started_at") or time.time())
+        record.state = JobState.RUNNING
+        record.started_at = record.started_at or time.time()
         self.store.write(record, durable=True)
         self.metrics.jobs.labels(JobState.RUNNING.value).inc()
-        logger.info("job %s: running model=%s attempt=%d", job_id, record["model"], record["attempts"])
+        logger.info("job %s: running model=%s attempt=%d", job_id, record.model, record.attempts)
         progress = RunProgress(record, lease, self.store, self.metrics)
         folder = self.store.folder(job_id)
 
@@ -235,10 +228,10 @@ class JobService:
             return held.stop.is_set() or not lease.valid() or self.store.cancel_requested(job_id)
 
         try:
-            model = load_model(self.repository(), record["model"])
-            params = parse_query(record["query"].items())
+            model = load_model(self.repository(), record.model)
+            params = parse_query(record.query.items())
             checkpoint = SlabCheckpoint(
-                folder / PARTIAL_FILE, record.get("checkpoint"), progress.save_checkpoint, progress.on_start
+                folder / PARTIAL_FILE, record.checkpoint, progress.save_checkpoint, progress.on_start
             )
             with contextlib.ExitStack() as stack:
                 tiled = self._dask_pass(record, folder, progress)
@@ -263,8 +256,8 @@ class JobService:
                 if self.store.cancel_requested(job_id):
                     self._finish(record, lease, JobState.CANCELLED)
                 elif lease.valid():  # the server stops: another replica continues from the last slab
-                    record["state"] = JobState.QUEUED.value
-                    record["attempts"] -= 1  # a graceful stop is no failed attempt
+                    record.state = JobState.QUEUED
+                    record.attempts -= 1  # a graceful stop is no failed attempt
                     self.store.write(record, durable=True)
                     logger.info("job %s: stopped with its server; left for another replica", job_id)
         except Exception as exc:
@@ -272,61 +265,64 @@ class JobService:
                 info = classify(exc)
                 if info.status >= 500 and info.status != 503:
                     logger.error("job %s failed", job_id, exc_info=exc)
-                error = {"error": info.code, "detail": info.detail}
+                error = JobError(error=info.code, detail=info.detail)
                 self._finish(record, lease, JobState.FAILED, error=error)
         else:
             with progress.lock:
                 self._finish(record, lease, JobState.DONE, result=result)
 
-    def _dask_pass(self, record: dict[str, Any], folder: Any, progress: RunProgress) -> Any:
+    def _dask_pass(self, record: JobRecord, folder: Any, progress: RunProgress) -> Any:
         """The job's :class:`~service.cluster.DaskPass` when its input goes to the cluster, else ``None``."""
         voxels = self.cluster.voxels_over(folder / INPUT_FILE)
         if voxels is None:
             return None
         logger.info(
             "job %s: %d voxels > TILEWISE_DASK_MIN_VOXELS=%d: tiled passes on the Dask cluster %s",
-            record["id"], voxels, self.settings.dask_min_voxels, self.cluster.address,
+            record.id, voxels, self.settings.dask_min_voxels, self.cluster.address,
         )  # fmt: skip
         with progress.lock:
-            record["cluster"] = self.cluster.address
+            record.cluster = self.cluster.address
         progress.stage("dask: connecting to the cluster")
         return self.cluster.dask_pass(folder, on_stage=progress.stage, on_plan=progress.on_plan)
 
     def _finish(
         self,
-        record: dict[str, Any],
+        record: JobRecord,
         lease: Lease,
         state: JobState,
         *,
-        error: dict[str, str] | None = None,
+        error: JobError | None = None,
         result: InferenceResult | None = None,
     ) -> None:
-        """Record the job's end (if this process still holds it) and drop what it no longer needs."""
+        """Record the job's end (if this process still holds it) and drop what it no longer needs;
+        then, with ``TILEWISE_JOBS_MAX_BYTES``, remove the oldest finished jobs over it."""
         if not lease.valid():
             return
-        job_id = record["id"]
+        job_id = record.id
         folder = self.store.folder(job_id)
-        record.update(state=state.value, finished_at=time.time(), error=error)
+        record.state, record.finished_at, record.error = state, time.time(), error
         if result is not None:
             from service.routes.infer import result_headers
 
-            record["tiles_done"] = record.get("tiles_total") or result.n_tiles
-            record["result"] = {
-                "file": result.path.name,
-                "media_type": result.media_type,
-                "filename": f"{record['model']}-output{result.path.name[len('output') :]}",
-                "headers": result_headers(record["model"], result),
-                "size_bytes": result.size_bytes,
-            }
+            record.tiles_done = record.tiles_total or result.n_tiles
+            record.result = JobResult(
+                file=result.path.name,
+                media_type=result.media_type,
+                filename=f"{record.model}-output{result.path.name[len('output') :]}",
+                headers=result_headers(record.model, result),
+                size_bytes=result.size_bytes,
+            )
         doomed = [folder / INPUT_FILE, folder / PARTIAL_FILE]
         if state is not JobState.DONE:
             doomed += [p for p in folder.glob("output.*")]
         for path in doomed:
             path.unlink(missing_ok=True)
-        self.store.write(record, durable=True)
-        self.store.set_active(job_id, False)
+        self.store.finished(record)
         self.metrics.jobs.labels(state.value).inc()
-        logger.info("job %s: %s%s", job_id, state.value, f" ({error['error']})" if error else "")
+        logger.info("job %s: %s%s", job_id, state.value, f" ({error.error})" if error else "")
+        max_bytes = self.settings.jobs_max_bytes
+        if max_bytes is not None:
+            self.store.cap_bytes(max_bytes, keep=job_id)
 
     # -- keeper and scanner -------------------------------------------------------------------------
 
@@ -359,7 +355,7 @@ class JobService:
                 self.scan()
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + sweep_every
-                    self.store.sweep(ttl_s, orphan_s)
+                    self.store.sweep(ttl_s, orphan_s, max_bytes=self.settings.jobs_max_bytes)
             except Exception:
                 logger.exception("job scan failed")
 
@@ -386,12 +382,12 @@ class JobService:
                 continue
             try:
                 record = self.store.read(job_id)
-                if JobState(record["state"]).finished:
+                if record.state.finished:
                     self.store.set_active(job_id, False)
                     lease.release()
                     slot.release()
                     continue
-                record["state"] = JobState.QUEUED.value
+                record.state = JobState.QUEUED
                 self.store.write(record, durable=True)
                 self.enqueue(lease, slot)
             except BaseException:

@@ -11,6 +11,11 @@ Layout (every name is made here; a client's string never becomes a path: ids are
                     cancel          present once a DELETE asked for cancellation
     <root>/active/<id>              one empty file per job not finished yet (what replicas scan)
     <root>/keys/<sha256 of key>     the id of the job an Idempotency-Key made
+    <root>/index                    one line per event: created (id, time, owner), finished (id,
+                                    time, bytes kept), removed (id); see :mod:`service.jobs.index`
+
+Listing, expiry and the byte cap (``TILEWISE_JOBS_MAX_BYTES``) read the index, not the records:
+a listing of ``limit`` jobs reads ``limit`` records whatever the number of jobs.
 
 Writers: ``state.json`` is written by whoever holds the job's lease (one replica), and by the
 replica that creates the job. Readers (status, events, result, listing) may be any replica: a
@@ -22,46 +27,27 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import hashlib
-import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import time
-from enum import StrEnum
 from pathlib import Path
-from typing import Any
 
 from service.errors import JobNotFoundError
+from service.jobs.index import ID_RE, IndexEntry, JobIndex
+from service.jobs.record import JobRecord, JobState
 
 __all__ = ["ID_RE", "JobState", "JobStore", "iso_utc"]
 
 logger = logging.getLogger(__name__)
 
-#: A job id: 128 random bits in hex.
-ID_RE = re.compile(r"^[0-9a-f]{32}$")
-_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+_KEY_HEX = frozenset("0123456789abcdef")
 
 STATE_FILE = "state.json"
 INPUT_FILE = "input"
 PARTIAL_FILE = "partial.npy"
 CANCEL_FILE = "cancel"
-
-
-class JobState(StrEnum):
-    """Where a job is in its life."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def finished(self) -> bool:
-        """Whether the job will not change any more."""
-        return self in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
 
 
 def iso_utc(epoch_s: float | None) -> str | None:
@@ -99,6 +85,7 @@ class JobStore:
         self.jobs = self.root / "jobs"
         self.active_dir = self.root / "active"
         self.keys = self.root / "keys"
+        self.index = JobIndex(self.root, self._index_records)
 
     # -- ids and folders --------------------------------------------------------------------------
 
@@ -109,7 +96,7 @@ class JobStore:
         Raises:
             JobNotFoundError: anything but 32 lower-case hex digits (never used as a path).
         """
-        if not isinstance(job_id, str) or not ID_RE.match(job_id):
+        if not isinstance(job_id, str) or not ID_RE.fullmatch(job_id):
             raise JobNotFoundError("no job of this id (ids are 32 hex digits)")
         return job_id
 
@@ -131,7 +118,7 @@ class JobStore:
 
     # -- records ----------------------------------------------------------------------------------
 
-    def read(self, job_id: str) -> dict[str, Any]:
+    def read(self, job_id: str) -> JobRecord:
         """The job's record.
 
         Raises:
@@ -139,29 +126,68 @@ class JobStore:
         """
         path = self.folder(job_id) / STATE_FILE
         try:
-            record: dict[str, Any] = json.loads(path.read_bytes())
+            return JobRecord.from_json(path.read_bytes())
         except FileNotFoundError:
             raise JobNotFoundError(f"no job {job_id} (never submitted, or expired)") from None
-        return record
 
-    def write(self, record: dict[str, Any], *, durable: bool = False) -> None:
-        """Replace the job's record (``record["id"]``) atomically; ``durable`` also fsyncs it."""
-        path = self.folder(record["id"]) / STATE_FILE
-        _write_atomic(path, json.dumps(record, sort_keys=True).encode(), durable=durable)
+    def write(self, record: JobRecord, *, durable: bool = False) -> None:
+        """Replace the job's record (``record.id``) atomically; ``durable`` also fsyncs it."""
+        path = self.folder(record.id) / STATE_FILE
+        _write_atomic(path, record.to_json(), durable=durable)
+
+    def add(self, record: JobRecord) -> None:
+        """Record a new job (durably), and index it; it becomes active (unfinished)."""
+        self.write(record, durable=True)
+        self.index.created(record.id, record.created_at, record.owner)
+        self.set_active(record.id, True)
+
+    def finished(self, record: JobRecord) -> None:
+        """Write a finished job's record (durably), index its end and the bytes its folder keeps."""
+        self.write(record, durable=True)
+        self.set_active(record.id, False)
+        self.index.finished(record.id, record.finished_at or time.time(), self.folder_bytes(record.id))
 
     def exists(self, job_id: str) -> bool:
         """Whether the job has a record."""
         return (self.folder(job_id) / STATE_FILE).is_file()
 
-    def recent(self, limit: int) -> list[dict[str, Any]]:
-        """Up to ``limit`` records, newest first."""
-        records = []
+    def folder_bytes(self, job_id: str) -> int:
+        """Bytes of the files in the job's folder (0 when it is gone)."""
+        total = 0
+        for path in self._listing(self.folder(job_id)):
+            with contextlib.suppress(OSError):
+                total += path.stat().st_size
+        return total
+
+    def recent(self, limit: int, owner: str | None = None, *, everyone: bool = True) -> list[JobRecord]:
+        """Up to ``limit`` records, newest first: every job's when ``everyone``, else ``owner``'s.
+
+        Reads the index and then only the records listed (``limit`` of them, plus any removed
+        meanwhile), never every record.
+        """
+        entries = [e for e in self.index.entries().values() if everyone or e.owner == owner]
+        entries.sort(key=lambda e: (e.created_at, e.id), reverse=True)
+        records: list[JobRecord] = []
+        for entry in entries:
+            if len(records) >= limit:
+                break
+            with contextlib.suppress(JobNotFoundError, OSError, ValueError):
+                records.append(self.read(entry.id))
+        return records
+
+    def _index_records(self) -> list[IndexEntry]:
+        """Index entries made from the records (a folder written before the index existed)."""
+        entries = []
         for folder in self._listing(self.jobs):
-            if ID_RE.match(folder.name):
+            if ID_RE.fullmatch(folder.name):
                 with contextlib.suppress(JobNotFoundError, OSError, ValueError):
-                    records.append(self.read(folder.name))
-        records.sort(key=lambda r: (r.get("created_at", 0.0), r["id"]), reverse=True)
-        return records[:limit]
+                    record = self.read(folder.name)
+                    entry = IndexEntry(record.id, record.created_at, record.owner)
+                    if record.state.finished:
+                        entry.finished_at = record.finished_at or record.created_at
+                        entry.bytes = self.folder_bytes(record.id)
+                    entries.append(entry)
+        return entries
 
     # -- the active index and the cancel flag ------------------------------------------------------
 
@@ -176,7 +202,7 @@ class JobStore:
 
     def active(self) -> list[str]:
         """Ids of the unfinished jobs."""
-        return [p.name for p in self._listing(self.active_dir) if ID_RE.match(p.name)]
+        return [p.name for p in self._listing(self.active_dir) if ID_RE.fullmatch(p.name)]
 
     @staticmethod
     def _listing(folder: Path) -> list[Path]:
@@ -197,9 +223,10 @@ class JobStore:
     # -- idempotency keys ---------------------------------------------------------------------------
 
     @staticmethod
-    def key_hash(key: str) -> str:
-        """The file name of an ``Idempotency-Key`` (its SHA-256; the key itself is never a path)."""
-        return hashlib.sha256(key.encode("utf-8")).hexdigest()
+    def key_hash(key: str, owner: str | None = None) -> str:
+        """The file name of an ``Idempotency-Key`` of ``owner`` (the SHA-256 of both: the key
+        itself is never a path, and two owners' equal keys name two jobs)."""
+        return hashlib.sha256(f"{owner or ''}\0{key}".encode()).hexdigest()
 
     def find_key(self, key_hash: str) -> str | None:
         """The id of the job made with this key, if it still exists."""
@@ -207,7 +234,7 @@ class JobStore:
             job_id = (self.keys / key_hash).read_text().strip()
         except FileNotFoundError:
             return None
-        return job_id if ID_RE.match(job_id) and self.exists(job_id) else None
+        return job_id if ID_RE.fullmatch(job_id) and self.exists(job_id) else None
 
     def bind_key(self, key_hash: str, job_id: str) -> str:
         """Make the key name ``job_id`` unless it names a job already; returns the id it names.
@@ -240,36 +267,70 @@ class JobStore:
         folder = self.folder(job_id)
         key_hash = None
         with contextlib.suppress(JobNotFoundError, OSError, ValueError):
-            key_hash = self.read(job_id).get("key_hash")
+            key_hash = self.read(job_id).key_hash
         self.set_active(job_id, False)
-        if isinstance(key_hash, str) and _KEY_RE.match(key_hash):
+        if key_hash is not None and len(key_hash) == 64 and set(key_hash) <= _KEY_HEX:
             with contextlib.suppress(FileNotFoundError):
                 if (self.keys / key_hash).read_text().strip() == job_id:
                     (self.keys / key_hash).unlink(missing_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
+        self.index.removed(job_id)
 
-    def sweep(self, ttl_s: float, orphan_s: float, now: float | None = None) -> int:
-        """Remove jobs finished more than ``ttl_s`` ago, and folders that never became jobs (an
-        upload cut off by a dying replica) untouched for ``orphan_s``; returns how many."""
+    def sweep(
+        self, ttl_s: float, orphan_s: float, now: float | None = None, max_bytes: int | None = None
+    ) -> int:
+        """Remove jobs finished more than ``ttl_s`` ago, the oldest finished jobs while those
+        keep more than ``max_bytes``, and folders that never became jobs (an upload cut off by a
+        dying replica) untouched for ``orphan_s``; returns how many. Reads the index, not the
+        records."""
         now = time.time() if now is None else now
+        entries = self.index.entries()
         removed = 0
+        for entry in entries.values():
+            if entry.finished_at is not None and now - entry.finished_at > ttl_s:
+                self.remove(entry.id)
+                removed += 1
+        if max_bytes is not None:
+            removed += self.cap_bytes(max_bytes)
         for folder in self._listing(self.jobs):
-            if not ID_RE.match(folder.name):
+            if not ID_RE.fullmatch(folder.name) or folder.name in entries:
                 continue
-            try:
-                record = self.read(folder.name)
-            except JobNotFoundError:
+            if (folder / STATE_FILE).exists():  # a record the index missed (a crash in between)
+                with contextlib.suppress(JobNotFoundError, OSError, ValueError):
+                    record = self.read(folder.name)
+                    if self.index.entries().get(record.id) is None:
+                        self.index.created(record.id, record.created_at, record.owner)
+                continue
+            with contextlib.suppress(OSError):
                 newest = max((p.stat().st_mtime for p in folder.iterdir()), default=folder.stat().st_mtime)
                 if now - newest > orphan_s:
                     shutil.rmtree(folder, ignore_errors=True)
                     removed += 1
-                continue
-            except (OSError, ValueError):
-                continue
-            finished_at = record.get("finished_at")
-            if finished_at is not None and now - finished_at > ttl_s:
-                self.remove(folder.name)
-                removed += 1
         if removed:
             logger.info("removed %d expired job folder(s) from %s", removed, self.root)
+            self.index.compact()
+        return removed
+
+    def cap_bytes(self, max_bytes: int, keep: str | None = None) -> int:
+        """Remove finished jobs, oldest first, while finished jobs keep more than ``max_bytes``
+        (``TILEWISE_JOBS_MAX_BYTES``); ``keep`` (the job that just finished) is never removed.
+        Returns how many were removed."""
+        finished = sorted(
+            (e for e in self.index.entries().values() if e.finished_at is not None),
+            key=lambda e: (e.finished_at or 0.0, e.id),
+        )
+        total = sum(e.bytes for e in finished)
+        removed = 0
+        for entry in finished:
+            if total <= max_bytes:
+                break
+            if entry.id == keep:
+                continue
+            self.remove(entry.id)
+            total -= entry.bytes
+            removed += 1
+        if removed:
+            logger.info(
+                "removed %d finished job(s): kept bytes over TILEWISE_JOBS_MAX_BYTES=%d", removed, max_bytes
+            )
         return removed

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 
 from service.deps import ReadyRepositoryDep as RepositoryDep
 from service.routes.docs import error_doc
+from service.security import require_admin
 
 __all__ = ["router"]
 
@@ -31,7 +32,11 @@ async def list_models(repository: RepositoryDep) -> list[dict[str, Any]]:
 
 @router.post(
     "/models/reload",
-    responses={503: error_doc("not_ready", "Models are not loaded (yet).")},
+    dependencies=[Depends(require_admin)],
+    responses={
+        403: error_doc("forbidden", "The key is not an admin key (the models folder is code)."),
+        503: error_doc("not_ready", "Models are not loaded (yet)."),
+    },
 )
 async def reload_models(request: Request, repository: RepositoryDep) -> list[dict[str, Any]]:
     """Rescan the model folder and warm the models up again; answers the new list."""

@@ -31,14 +31,45 @@ def error_doc(code: str, description: str) -> dict[str, Any]:
     }
 
 
-def params_doc() -> list[dict[str, Any]]:
-    """One OpenAPI query parameter per :class:`InferenceParams` field (values are text)."""
+#: A blank value (``tile=``) means "not given": the model's default.
+_BLANK: dict[str, Any] = {"type": "string", "pattern": r"^\s*$"}
+
+
+def _per_axis(minimum: int, *, auto: bool = False) -> dict[str, Any]:
+    """One integer for every axis, or one per axis (``128,128,64``), or ``auto``, or blank."""
+    digits = "[1-9][0-9]{0,8}" if minimum else "[0-9]{1,9}"
+    options: list[dict[str, Any]] = [
+        {"type": "integer", "minimum": minimum},
+        {"type": "string", "pattern": f"^{digits}(,{digits}){{1,2}}$"},
+    ]
+    if auto:
+        options.append({"type": "string", "enum": ["auto"]})
+    return {"anyOf": [*options, _BLANK]}
+
+
+#: Typed schemas of the numeric and flag parameters (the rest are text, or a closed set).
+_SCHEMAS: dict[str, dict[str, Any]] = {
+    "tile": _per_axis(1),
+    "overlap": _per_axis(0),
+    "halo": _per_axis(0, auto=True),
+    "halo_tolerance": {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, _BLANK]},
+    "batch_size": {"anyOf": [{"type": "integer", "minimum": 1}, _BLANK]},
+    "dry_run": {"anyOf": [{"type": "boolean"}, _BLANK]},
+}
+
+
+def params_doc(exclude: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One OpenAPI query parameter per :class:`InferenceParams` field but ``exclude``: numbers
+    typed as numbers, flags as booleans, closed sets as enums (with ``""``), the rest as text; a
+    blank value means the model's default."""
     out = []
     for name, field in InferenceParams.model_fields.items():
-        schema: dict[str, Any] = {"type": "string"}
+        if name in exclude:
+            continue
+        schema: dict[str, Any] = dict(_SCHEMAS.get(name, {"type": "string"}))
         choices = InferenceParams.choices(name)
         if choices:
-            schema["enum"] = choices
+            schema = {"type": "string", "enum": ["", *choices]}
         out.append(
             {
                 "name": name,

@@ -101,11 +101,11 @@ _OPENAPI = {
         "multipart form with the field `file` (`curl -F file=@scan.nii.gz`). The format is detected "
         "by content: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG, TIFF.",
         "content": {
-            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary", "minLength": 1}},
             "multipart/form-data": {
                 "schema": {
                     "type": "object",
-                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "properties": {"file": {"type": "string", "format": "binary", "minLength": 1}},
                     "required": ["file"],
                 }
             },

@@ -1,7 +1,9 @@
 """The jobs API: ``POST /v1/jobs``, ``GET /v1/jobs[/{id}[/events|/result]]``, ``DELETE /v1/jobs/{id}``.
 
 Handlers only do HTTP; jobs live in :mod:`service.jobs`. Any replica that shares the jobs folder
-answers every route for every job. A submission is checked like a synchronous request (model,
+answers every route for every job. A job belongs to the API key that submitted it (its name is the
+record's ``owner``): other keys get 404 for it and do not see it listed; the ``admin`` key sees
+every job (:mod:`service.security`). A submission is checked like a synchronous request (model,
 parameters, budget, upload limits, the file's header and plan) before it becomes a job, and takes a
 place in the device queue (503 when full).
 """
@@ -32,11 +34,12 @@ from service.errors import (
     NotReadyError,
 )
 from service.executor import Slot
-from service.jobs import JobService, JobState, event_stream, job_status
+from service.jobs import JobRecord, JobService, JobState, event_stream, job_status
 from service.jobs.store import INPUT_FILE
 from service.precheck import Limits
 from service.requestid import current_request_id
 from service.routes.docs import error_doc, params_doc
+from service.security import Principal, require_api_key
 from service.upload import Pace, receive_upload
 
 __all__ = ["router"]
@@ -74,20 +77,35 @@ def _service(request: Request) -> JobService:
 
 
 JobsDep = Annotated[JobService, Depends(_service)]
+PrincipalDep = Annotated[Principal, Depends(require_api_key)]
 
 
-def _accepted(record: dict[str, Any]) -> JSONResponse:
-    return JSONResponse(job_status(record), 202, headers={"Location": f"/v1/jobs/{record['id']}"})
+def _accepted(record: JobRecord) -> JSONResponse:
+    return JSONResponse(job_status(record), 202, headers={"Location": f"/v1/jobs/{record.id}"})
 
 
-def _same_job(service: JobService, job_id: str, model: str, query: dict[str, str]) -> dict[str, Any]:
+def _read_own(service: JobService, job_id: str, principal: Principal) -> JobRecord:
+    """The job's record, when ``principal`` may see it.
+
+    Raises:
+        JobNotFoundError: no such job, or another key's (the same 404: ids are not disclosed).
+    """
+    record = service.store.read(job_id)
+    if not principal.may_see(record.owner):
+        raise JobNotFoundError(f"no job {job_id} (never submitted, or expired)")
+    return record
+
+
+def _same_job(
+    service: JobService, job_id: str, model: str, query: dict[str, str], principal: Principal
+) -> JobRecord:
     """The record of the job an idempotency key names, if it was made with this request's model
     and parameters."""
-    record = service.store.read(job_id)
-    if record["model"] != model or record["query"] != query:
+    record = _read_own(service, job_id, principal)
+    if record.model != model or record.query != query:
         raise IdempotencyKeyReusedError(
-            f"Idempotency-Key names job {job_id} (model {record['model']}, parameters "
-            f"{record['query']}); this request has model {model}, parameters {query}"
+            f"Idempotency-Key names job {job_id} (model {record.model}, parameters "
+            f"{record.query}); this request has model {model}, parameters {query}"
         )
     return record
 
@@ -106,7 +124,7 @@ def _parse(request: Request, repository: Any) -> tuple[str, InferenceParams]:
 _SUBMIT_OPENAPI = {
     "parameters": [
         {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}},
-        *params_doc(),
+        *params_doc(exclude=("dry_run",)),  # a job always runs: refused with 400
         {
             "name": "Idempotency-Key",
             "in": "header",
@@ -119,11 +137,11 @@ _SUBMIT_OPENAPI = {
         "required": True,
         "description": "The file, raw or as the multipart field `file` (as for the synchronous endpoint).",
         "content": {
-            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary", "minLength": 1}},
             "multipart/form-data": {
                 "schema": {
                     "type": "object",
-                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "properties": {"file": {"type": "string", "format": "binary", "minLength": 1}},
                     "required": ["file"],
                 }
             },
@@ -141,7 +159,10 @@ _SUBMIT_OPENAPI = {
         400: error_doc("bad_parameter", "Missing model, invalid parameter or key, or an empty body."),
         404: error_doc("unknown_model", "No model of this name."),
         409: error_doc("idempotency_key_reused", "The key names a job of another model or parameters."),
+        408: error_doc("upload_timeout", "The upload stalled, or arrived below the minimum rate."),
         413: error_doc("payload_too_large", "Upload, image or plan over the limits."),
+        415: error_doc("unsupported_media_type", "Not a format tilewise reads (by content)."),
+        422: error_doc("unusable_input", "Corrupt file, wrong dimensionality, or a plan over the limits."),
         503: error_doc(
             "queue_full",
             "The device queue is full (retry after `Retry-After` seconds); or `model_unavailable`: the "
@@ -157,6 +178,7 @@ async def submit_job(
     repository: RepositoryDep,
     executor: ExecutorDep,
     service: JobsDep,
+    principal: PrincipalDep,
 ) -> Response:
     """Submit a file as a job; watch it with GET /v1/jobs/{id} or /events."""
     state = request.app.state
@@ -172,10 +194,12 @@ async def submit_job(
     if key is not None:
         if not _KEY_RE.match(key):
             raise BadParameterError("Idempotency-Key must be 1 to 255 visible ASCII characters")
-        key_hash = store.key_hash(key)
+        key_hash = store.key_hash(key, principal.name)
         existing = await anyio.to_thread.run_sync(store.find_key, key_hash)
         if existing is not None:  # a retry: the body is not read
-            return _accepted(await anyio.to_thread.run_sync(_same_job, service, existing, label, query))
+            return _accepted(
+                await anyio.to_thread.run_sync(_same_job, service, existing, label, query, principal)
+            )
     if not executor.has_room():
         raise executor.full_error()
     folder: Path | None = None
@@ -192,14 +216,18 @@ async def submit_job(
         limits = Limits.from_settings(settings)
         await anyio.to_thread.run_sync(admit, repository, label, source, params, limits)
         slot = executor.reserve()
-        record, lease = await anyio.to_thread.run_sync(service.create, job_id, label, query, key_hash)
+        record, lease = await anyio.to_thread.run_sync(
+            service.create, job_id, label, query, key_hash, principal.name
+        )
         if key_hash is not None:
             bound = await anyio.to_thread.run_sync(store.bind_key, key_hash, job_id)
             if bound != job_id:  # a concurrent submission with this key made the job first
                 lease.release()
                 await anyio.to_thread.run_sync(store.remove, job_id)
                 folder = None
-                return _accepted(await anyio.to_thread.run_sync(_same_job, service, bound, label, query))
+                return _accepted(
+                    await anyio.to_thread.run_sync(_same_job, service, bound, label, query, principal)
+                )
         service.enqueue(lease, slot)
         folder = None
         logger.info("request %s: job %s queued model=%s", current_request_id(), job_id, label)
@@ -214,12 +242,16 @@ async def submit_job(
             await anyio.to_thread.run_sync(functools.partial(shutil.rmtree, folder, ignore_errors=True))
 
 
-@router.get("/jobs")
+@router.get("/jobs", responses={400: error_doc("bad_parameter", "`limit` is not an integer from 1 to 1000.")})
 async def list_jobs(
-    service: JobsDep, limit: Annotated[int, Query(ge=1, le=1000, description="Most jobs listed.")] = 50
+    service: JobsDep,
+    principal: PrincipalDep,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Most jobs listed.")] = 50,
 ) -> list[dict[str, Any]]:
-    """List the most recent jobs, newest first."""
-    records = await anyio.to_thread.run_sync(service.store.recent, limit)
+    """List the most recent jobs of this key (every job for the admin key), newest first."""
+    records = await anyio.to_thread.run_sync(
+        functools.partial(service.store.recent, limit, principal.name, everyone=principal.admin)
+    )
     return [job_status(r) for r in records]
 
 
@@ -227,9 +259,9 @@ async def list_jobs(
     "/jobs/{job_id}",
     responses={200: {"content": {"application/json": {"example": _STATUS_EXAMPLE}}}, 404: _UNKNOWN},
 )
-async def get_job(job_id: str, service: JobsDep) -> dict[str, Any]:
+async def get_job(job_id: str, service: JobsDep, principal: PrincipalDep) -> dict[str, Any]:
     """The job's state and progress; while queued on this replica, ``position`` (1 = next)."""
-    status = job_status(await anyio.to_thread.run_sync(service.store.read, job_id))
+    status = job_status(await anyio.to_thread.run_sync(_read_own, service, job_id, principal))
     if status.get("state") == JobState.QUEUED.value:
         position = service.position(job_id)
         if position is not None:
@@ -249,10 +281,10 @@ async def get_job(job_id: str, service: JobsDep) -> dict[str, Any]:
         404: _UNKNOWN,
     },
 )
-async def job_events(job_id: str, service: JobsDep) -> StreamingResponse:
+async def job_events(job_id: str, service: JobsDep, principal: PrincipalDep) -> StreamingResponse:
     """Follow the job as server-sent events until it ends."""
     store = service.store
-    await anyio.to_thread.run_sync(store.read, job_id)  # 404 before the stream starts
+    await anyio.to_thread.run_sync(_read_own, service, job_id, principal)  # 404 before the stream starts
     return StreamingResponse(
         event_stream(functools.partial(store.read, job_id)),
         media_type="text/event-stream",
@@ -263,29 +295,33 @@ async def job_events(job_id: str, service: JobsDep) -> StreamingResponse:
 @router.get(
     "/jobs/{job_id}/result",
     responses={
-        200: {"description": "The output file, as the synchronous endpoint returns it (same headers)."},
+        200: {
+            "description": "The output file, as the synchronous endpoint returns it (same headers).",
+            "content": {
+                t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")
+            },
+        },
         404: _UNKNOWN,
         409: error_doc("job_not_done", "The job is not done (yet, or it failed or was cancelled)."),
     },
 )
-async def job_result(job_id: str, service: JobsDep) -> Response:
+async def job_result(job_id: str, service: JobsDep, principal: PrincipalDep) -> Response:
     """Download the job's result."""
     store = service.store
-    record = await anyio.to_thread.run_sync(store.read, job_id)
-    if record["state"] != JobState.DONE.value:
-        raise JobStateError(f"job {job_id} is {record['state']}; its result exists once it is done")
-    result = record["result"]
-    path = store.folder(job_id) / result["file"]
+    record = await anyio.to_thread.run_sync(_read_own, service, job_id, principal)
+    result = record.result
+    if record.state is not JobState.DONE or result is None:
+        raise JobStateError(f"job {job_id} is {record.state.value}; its result exists once it is done")
+    path = store.folder(job_id) / result.file
     if not path.is_file():
         raise JobNotFoundError(f"the result of job {job_id} has expired")
-    return FileResponse(
-        path, media_type=result["media_type"], filename=result["filename"], headers=result["headers"]
-    )
+    return FileResponse(path, media_type=result.media_type, filename=result.filename, headers=result.headers)
 
 
 @router.delete("/jobs/{job_id}", status_code=202, responses={404: _UNKNOWN})
-async def cancel_job(job_id: str, service: JobsDep) -> JSONResponse:
+async def cancel_job(job_id: str, service: JobsDep, principal: PrincipalDep) -> JSONResponse:
     """Cancel the job: it stops before its next batch (a finished job stays as it is)."""
+    await anyio.to_thread.run_sync(_read_own, service, job_id, principal)
     await anyio.to_thread.run_sync(service.cancel, job_id)
     record = await anyio.to_thread.run_sync(service.store.read, job_id)
     return JSONResponse(job_status(record), 202)

@@ -84,9 +84,10 @@ def install_page(app: FastAPI) -> None:
 
     @app.get("/", include_in_schema=False)
     async def page(request: Request) -> HTMLResponse:
-        settings = request.app.state.settings
+        keyring = getattr(request.app.state, "keyring", None)
+        keyed = keyring.enabled if keyring is not None else request.app.state.settings.api_key is not None
         viewer = niivue_path(web_dir(request)) is not None
-        body = _render(template, api_key=settings.api_key is not None, viewer=viewer)
+        body = _render(template, api_key=keyed, viewer=viewer)
         return HTMLResponse(body, headers=_HEADERS)
 
     @app.get(f"{VENDOR_PREFIX}/{NIIVUE_FILE}", include_in_schema=False)

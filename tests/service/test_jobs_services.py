@@ -69,14 +69,14 @@ def submit(service: JobService, tmp_path: Path, query: dict[str, str], attempts:
     slot = service.executor.reserve()
     record, lease = service.create(job_id, "gaussian-3d", query, None)
     if attempts:
-        service.store.write({**record, "attempts": attempts})
+        service.store.write(record.model_copy(update={"attempts": attempts}))
     service.enqueue(lease, slot)
     return job_id
 
 
 def wait_state(store: JobStore, job_id: str, state: str, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
-    while (record := store.read(job_id))["state"] != state:
+    while (record := store.read(job_id)).state != state:
         assert time.monotonic() < deadline, record
         time.sleep(0.02)
     return record
@@ -88,12 +88,12 @@ def test_a_cancellation_asked_of_another_replica_drops_a_queued_job(replica, tmp
     blocker = a.executor.submit_future(busy.wait)  # a's device is busy: the job waits in its queue
     try:
         job_id = submit(a, tmp_path, {"tile": "16", "halo": "4"})
-        assert a.store.read(job_id)["state"] == "queued" and a.held() == [job_id]
+        assert a.store.read(job_id).state == "queued" and a.held() == [job_id]
         asked = time.monotonic()
         b.cancel(job_id)  # b does not hold it: it flags it, and a's keeper drops it from its queue
         record = wait_state(a.store, job_id, "cancelled", timeout=5)
-        assert time.monotonic() - asked < 1.0 and record["finished_at"] is not None
-        assert a.held() == [] and record["tiles_done"] == 0
+        assert time.monotonic() - asked < 1.0 and record.finished_at is not None
+        assert a.held() == [] and record.tiles_done == 0
     finally:
         busy.set()
         blocker.result(10)
@@ -104,24 +104,24 @@ def test_a_replica_that_stops_hands_its_job_to_another(replica, tmp_path):
     query = {"tile": "16", "halo": "4", "batch_size": "1"}
     job_id = submit(a, tmp_path, query)
     deadline = time.monotonic() + 60
-    while not (a.store.read(job_id).get("checkpoint") or {}).get("rows_done"):
+    while not (a.store.read(job_id).checkpoint or {}).get("rows_done"):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     stop(a)  # SIGTERM: the running job stops before its next batch, and its lease is released
     left = a.store.read(job_id)
-    assert left["state"] == "queued" and left["tiles_done"] < left["tiles_total"]
-    assert left["attempts"] == 0  # a graceful stop is no failed attempt
-    rows = left["checkpoint"]["rows_done"]
-    per_slab = left["tiles_total"] // left["checkpoint"]["key"]["grid"][0]
+    assert left.state == "queued" and left.tiles_done < left.tiles_total
+    assert left.attempts == 0  # a graceful stop is no failed attempt
+    rows = left.checkpoint["rows_done"]
+    per_slab = left.tiles_total // left.checkpoint["key"]["grid"][0]
     b = replica()  # its scanner takes the job over
     record = wait_state(b.store, job_id, "done")
-    assert record["attempts"] == 1
+    assert record.attempts == 1
     assert sample(b, "tilewise_job_takeovers_total") == 1
     assert sample(b, "tilewise_job_tiles_resumed_total", model="gaussian-3d") == rows * per_slab > 0
     reference = run_file(
         b.repository().get("gaussian-3d"), tmp_path / "in.nii", tmp_path / "sync", InferenceParams(**query)
     )
-    assert (b.store.folder(job_id) / record["result"]["file"]).read_bytes() == reference.path.read_bytes()
+    assert (b.store.folder(job_id) / record.result.file).read_bytes() == reference.path.read_bytes()
 
 
 def test_finished_jobs_expire_after_the_ttl(replica, tmp_path):
@@ -142,4 +142,25 @@ def test_a_job_whose_servers_keep_dying_fails(replica, tmp_path):
     a = replica()
     job_id = submit(a, tmp_path, {"tile": "16", "halo": "4"}, attempts=MAX_ATTEMPTS)
     record = wait_state(a.store, job_id, "failed")
-    assert record["error"]["error"] == "too_many_attempts" and record["tiles_done"] == 0
+    assert record.error.error == "too_many_attempts" and record.tiles_done == 0
+
+
+def test_finished_jobs_keep_at_most_jobs_max_bytes_oldest_removed_first(replica, tmp_path):
+    """TILEWISE_JOBS_MAX_BYTES: each finished job's result counts; when one more finishes over the
+    cap, the oldest finished go first, and the one just finished stays (its client downloads it)."""
+    probe = replica()
+    first = submit(probe, tmp_path, {"tile": "16", "halo": "4"})
+    size = probe.store.folder_bytes(first) if wait_state(probe.store, first, "done") else 0
+    stop(probe)
+    assert size > 1000
+    service = replica(jobs_max_bytes=int(2.5 * size))  # room for two results, not three
+    ids = [first]
+    for _ in range(3):
+        ids.append(submit(service, tmp_path, {"tile": "16", "halo": "4"}))
+        wait_state(service.store, ids[-1], "done")
+    kept = [job_id for job_id in ids if service.store.exists(job_id)]
+    assert kept == ids[-2:]
+    with pytest.raises(JobNotFoundError):
+        service.store.read(ids[0])
+    finished = [e for e in service.store.index.entries().values() if e.finished_at is not None]
+    assert sum(e.bytes for e in finished) <= 2.5 * size and len(finished) == 2

@@ -15,7 +15,7 @@ import pytest
 from models import ModelRepository
 from models.params import InferenceParams
 from service.errors import JobNotFoundError
-from service.jobs import JobState, JobStore, job_status
+from service.jobs import JobRecord, JobState, JobStore, job_status
 from service.jobs.checkpoint import SlabCheckpoint
 from service.jobs.lease import Leases
 from service.pipeline import run_file
@@ -36,6 +36,7 @@ from tiling import RunCancelledError
         "0" * 31 + "/",
         "state.json",
         "0" * 31 + "\n",
+        "0" * 32 + "\n",  # re.match with $ accepted it: fullmatch does not
     ],
 )
 def test_malformed_ids_never_reach_the_file_system(tmp_path: Path, job_id: str) -> None:
@@ -52,11 +53,12 @@ def test_records_are_written_whole_and_listed_newest_first(tmp_path: Path) -> No
     for i in range(3):
         job_id, folder = store.new_folder()
         assert folder == store.folder(job_id) and folder.is_dir()
-        store.write({"id": job_id, "created_at": 100.0 + i, "state": "queued"}, durable=i == 0)
+        store.add(JobRecord(id=job_id, model="m", created_at=100.0 + i))
         ids.append(job_id)
     with pytest.raises(JobNotFoundError):
         store.read("f" * 32)
-    assert [r["id"] for r in store.recent(2)] == ids[::-1][:2]
+    assert [r.id for r in store.recent(2)] == ids[::-1][:2]
+    assert store.read(ids[0]) == JobRecord(id=ids[0], model="m", created_at=100.0)
     assert not [p for p in store.jobs.rglob(".*.tmp")]  # no temporary file left behind
 
 
@@ -67,7 +69,7 @@ def test_an_idempotency_key_binds_one_job_even_when_raced(tmp_path: Path) -> Non
     ids = []
     for _ in range(8):
         job_id, _ = store.new_folder()
-        store.write({"id": job_id, "key_hash": key, "state": "queued"})
+        store.add(JobRecord(id=job_id, model="m", key_hash=key))
         ids.append(job_id)
     bound: list[str] = []
     threads = [threading.Thread(target=lambda j=j: bound.append(store.bind_key(key, j))) for j in ids]
@@ -85,12 +87,13 @@ def test_sweep_removes_expired_jobs_and_dead_uploads_only(tmp_path: Path) -> Non
     store = JobStore(tmp_path)
     now = time.time()
     old, _ = store.new_folder()
-    store.write({"id": old, "state": "done", "finished_at": now - 100})
+    store.add(JobRecord(id=old, model="m"))
+    store.finished(JobRecord(id=old, model="m", state="done", finished_at=now - 100))
     fresh, _ = store.new_folder()
-    store.write({"id": fresh, "state": "done", "finished_at": now - 10})
+    store.add(JobRecord(id=fresh, model="m"))
+    store.finished(JobRecord(id=fresh, model="m", state="done", finished_at=now - 10))
     running, _ = store.new_folder()
-    store.write({"id": running, "state": "running", "finished_at": None})
-    store.set_active(running, True)
+    store.add(JobRecord(id=running, model="m", state="running"))
     orphan, folder = store.new_folder()  # an upload whose replica died
     (folder / "input").write_bytes(b"x")
     os.utime(folder / "input", (now - 1000, now - 1000))
@@ -227,15 +230,21 @@ def test_a_job_stopped_and_resumed_writes_the_synchronous_file(tmp_path, gaussia
 
 
 def test_status_progress_and_eta() -> None:
-    record = {"id": "a" * 32, "model": "m", "state": "running", "created_at": 0.0, "started_at": 1.0,
-              "tiles_total": 40, "tiles_done": 10, "run_tiles": 8, "run_started_at": 10.0,
-              "progress_at": 14.0}  # fmt: skip
+    record = JobRecord(id="a" * 32, model="m", state="running", created_at=0.0, started_at=1.0,
+                       tiles_total=40, tiles_done=10, run_tiles=8, run_started_at=10.0,
+                       progress_at=14.0)  # fmt: skip
     status = job_status(record)
     assert status["progress"] == 0.25 and status["eta_s"] == 15.0  # 30 tiles left at 2 tiles/s
     assert status["created"] == "1970-01-01T00:00:00.000Z" and status["finished"] is None
-    queued = job_status({**record, "state": "queued", "tiles_total": None, "tiles_done": 0})
+    assert sorted(status) == sorted(
+        ["id", "model", "state", "tiles_done", "tiles_total", "progress", "eta_s", "created", "started",
+         "finished", "error", "params", "stage"]
+    )  # fmt: skip
+    queued = job_status(
+        record.model_copy(update={"state": JobState.QUEUED, "tiles_total": None, "tiles_done": 0})
+    )
     assert queued["progress"] == 0.0 and queued["eta_s"] is None
-    done = job_status({**record, "state": "done", "finished_at": 20.0})
+    done = job_status(record.model_copy(update={"state": JobState.DONE, "finished_at": 20.0}))
     assert done["progress"] == 1.0 and done["eta_s"] == 0.0
     assert [s.finished for s in JobState] == [False, False, True, True, True]
 

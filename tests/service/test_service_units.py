@@ -205,6 +205,7 @@ def test_every_public_exception_has_an_http_mapping() -> None:
         "JobNotFoundError": 404, "JobStateError": 409, "IdempotencyKeyReusedError": 409,
         "DistributedError": 422, "TileDependentError": 422, "ClusterUnavailableError": 503,
         "InsufficientStorageError": 507,
+        "ForbiddenError": 403, "CrossOriginError": 403, "BadHostError": 400,
     }  # fmt: skip
     classes = [*_public_errors(service_errors), *_public_errors(model_errors), *_public_errors(tiling_errors)]
     assert {c.__name__ for c in classes} == set(expected)
