@@ -21,6 +21,7 @@ import anyio
 from fastapi import FastAPI
 
 from service.asgi import DrainMiddleware, HeadMiddleware, HeadSizeMiddleware
+from service.clients import client_slots
 from service.codecs import configure_pillow
 from service.executor import DeviceExecutor
 from service.http_errors import error_response, install_error_handlers, plain_error_response
@@ -109,6 +110,7 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
             retry_after_s=settings.retry_after_s,
             on_depth=metrics.queue_depth.set,
             after_job=release_free_memory,
+            client_slots=client_slots(settings),
         )
         app.state.repository = repo
         app.state.load_repository = functools.partial(_load_repository, settings)
@@ -154,7 +156,9 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
     app.state.ready = False
     app.state.draining = False
     app.state.stops = set()  # threading.Event of each running request: set to stop its run
-    app.state.uploads = UploadSlots(settings.max_uploads, retry_after_s=settings.retry_after_s)
+    app.state.uploads = UploadSlots(
+        settings.max_uploads, retry_after_s=settings.retry_after_s, per_client=settings.max_uploads_per_client
+    )
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
     app.add_middleware(HeadSizeMiddleware, max_bytes=settings.max_header_bytes, respond=plain_error_response)
     app.add_middleware(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import MemoryBudgetError, OverBudgetError
-from service.precheck import Limits, check_input, copies_input, input_bytes, model_shape
+from service.precheck import Limits, check_input, check_model_grid, copies_input, input_bytes, model_shape
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model
@@ -37,7 +37,8 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
 
     Raises:
         PayloadTooLargeError, UnusableInputError, EmptyBodyError, UnsupportedMediaTypeError,
-        DecodeError: the header is refused (as for a real request).
+        DecodeError: the header or the model grid is refused (as for a real request; an
+            implausible spacing before the network's footprint is measured).
         ParamError, GridError: parameters that cannot tile this image.
     """
     from models.cost import network_seconds, peak_bytes
@@ -45,6 +46,7 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
     spec = model.spec
     header = check_input(spec, source, limits)
     shape = model_shape(spec, header, params)
+    check_model_grid(spec, header, shape, params, limits)
     footprint = model.footprint()
     held = {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
     plan = model.plan(

@@ -21,6 +21,8 @@ from starlette.types import Receive, Scope, Send
 from models.errors import ModelError, ModelUnavailableError
 from models.params import InferenceParams, parse_query
 from service.budget import Budget
+from service.clients import client_of
+from service.deadline import RunDeadline
 from service.deps import ExecutorDep, MetricsDep, RepositoryDep, SettingsDep
 from service.errors import NotReadyError
 from service.executor import Slot
@@ -177,7 +179,10 @@ def _work(
     metrics from the one plan. Tiles are counted batch by batch as they run."""
     model = _loaded(repository, name)
     tiles = metrics.tiles.labels(model.spec.name)
-    result = run_file(model, source, stem, params, limits=limits, should_stop=stop.is_set, progress=tiles.inc)
+    deadline = RunDeadline.of(limits)  # stops a run past twice max_request_seconds (422)
+    with deadline.running():
+        stopper = deadline.should_stop(stop.is_set)
+        result = run_file(model, source, stem, params, limits=limits, should_stop=stopper, progress=tiles.inc)
     metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
     return result
 
@@ -235,13 +240,15 @@ async def infer(
         params = parse_query(request.query_params.multi_items())
         limits = Limits.from_settings(settings)
         Budget.from_settings(settings).check_params(params)
-        if not params.dry_run and not executor.has_room():  # a hint: nothing is read when full now
-            raise executor.full_error()
+        client = client_of(request)  # its share of the queue and of the upload slots
+        if not params.dry_run and not executor.has_room_for(client):  # a hint: nothing read when full
+            raise executor.full_error() if executor.has_room() else executor.client_full_error()
         # The body arrives under the upload bound (count, rate); only then does the request take
         # an inference slot, so slow senders never hold the device queue.
-        with state.uploads.hold():
+        with state.uploads.hold(client):
             workdir = await anyio.to_thread.run_sync(state.workroot.mkdtemp)
-            pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s)
+            pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s,
+                        pressure=state.uploads.pressure)  # fmt: skip
             source, n_bytes = await receive_upload(
                 request, workdir / "input", max_bytes=settings.max_upload_bytes, pace=pace
             )
@@ -251,7 +258,7 @@ async def infer(
             status = 200
             return JSONResponse(answer)
         await anyio.to_thread.run_sync(_precheck, repository, label, source, params, limits)
-        slot = executor.reserve()
+        slot = executor.reserve(client)
         logger.info("request %s queued model=%s on %s", current_request_id(), label, executor.device)
         work = functools.partial(
             _work, repository, label, source, workdir / "output", params, limits, metrics, stop
