@@ -184,7 +184,7 @@ class UploadSlots:
             mine = self._clients.get(client, 0) if client is not None else 0
             if self.per_client is not None and client is not None and mine >= self.per_client:
                 raise QueueFullError(
-                    f"this client has {mine} uploads in progress (max_uploads_per_client="
+                    f"this client has {mine} uploads in progress (TILEWISE_MAX_UPLOADS_PER_CLIENT="
                     f"{self.per_client}); retry in {self.retry_after_s} s",
                     retry_after_s=self.retry_after_s,
                 )
