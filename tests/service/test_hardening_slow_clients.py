@@ -39,7 +39,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         tmp_path_factory.mktemp("slow-clients"),
         cli_args=(
             "--no-warmup", "--drain", "0", "--queue-size", "4",
-            "--max-uploads", "16", "--max-uploads-per-client", "4", "--upload-grace", "1", "--upload-min-rate", str(MIN_RATE), "--upload-idle", "5",
+            "--max-uploads", "16", "--max-uploads-per-client", "4",
+            "--upload-grace", "1", "--upload-min-rate", str(MIN_RATE), "--upload-idle", "5",
             "--header-timeout", str(HEADER_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
         ),
     )  # fmt: skip
