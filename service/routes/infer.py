@@ -77,16 +77,23 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     408: error_doc("upload_timeout", "The upload stalled, or arrived below the minimum rate."),
     413: error_doc(
         "payload_too_large",
-        "Upload over max_upload_bytes, image over max_voxels / pixels / decompressed bytes, or a "
-        "plan whose predicted memory is over max_request_bytes (`over_budget`).",
+        "Upload over max_upload_bytes, image over max_voxels (on the model grid too) / pixels / "
+        "decompressed bytes / compression ratio, or a plan whose predicted memory is over "
+        "max_request_bytes (`over_budget`).",
     ),
     415: error_doc("unsupported_media_type", "Not NIfTI-1/2, PNG, JPEG or TIFF (by content)."),
     422: error_doc(
         "unusable_input",
-        "Corrupt/truncated file, wrong dimensionality or channels, NaN-only; or a plan over "
-        "max_batch_size / max_tiles / max_work (`over_budget`).",
+        "Corrupt/truncated file, wrong dimensionality or channels, NaN-only, an implausible voxel "
+        "size for the model; or a plan over max_batch_size / max_tiles / max_work / "
+        "min_voxels_per_tile / max_request_seconds, or a run stopped past twice max_request_seconds "
+        "(`over_budget`).",
     ),
-    503: error_doc("queue_full", "The device queue is full; retry after `Retry-After` seconds."),
+    503: error_doc(
+        "queue_full",
+        "The device queue is full, or this client holds its share of it or of the upload slots; retry "
+        "after `Retry-After` seconds.",
+    ),
 }
 
 _OPENAPI = {
