@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from service.asgi import DrainMiddleware, HeadMiddleware, HeadSizeMiddleware
+from service.clients import client_slots
 from service.codecs import configure_pillow
 from service.executor import DeviceExecutor
 from service.guard import RequestGuardMiddleware
@@ -118,6 +119,7 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
             on_depth=metrics.queue_depth.set,
             after_job=release_free_memory,
             workers=settings.shared_requests,
+            client_slots=client_slots(settings),
         )
         batches = (
             SharedBatches(settings.batch_wait_ms / 1000, metrics) if settings.shared_requests > 1 else None
@@ -171,7 +173,9 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
     app.state.ready = False
     app.state.draining = False
     app.state.stops = set()  # threading.Event of each running request: set to stop its run
-    app.state.uploads = UploadSlots(settings.max_uploads, retry_after_s=settings.retry_after_s)
+    app.state.uploads = UploadSlots(
+        settings.max_uploads, retry_after_s=settings.retry_after_s, per_client=settings.max_uploads_per_client
+    )
     install_error_handlers(app, retry_after_s=settings.retry_after_s)
     app.add_exception_handler(405, _method_not_allowed)
     if settings.cors_origins:  # CORS is off unless configured

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.errors import MemoryBudgetError, OverBudgetError
-from service.precheck import Limits, check_input, held_beside, model_shape, streamed_check
+from service.precheck import Limits, check_input, check_model_grid, held_beside, model_shape, streamed_check
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model
@@ -41,7 +41,8 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
 
     Raises:
         PayloadTooLargeError, UnusableInputError, EmptyBodyError, UnsupportedMediaTypeError,
-        DecodeError: the header is refused (as for a real request).
+        DecodeError: the header or the model grid is refused (as for a real request; an
+            implausible spacing before the network's footprint is measured).
         ParamError, GridError: parameters that cannot tile this image.
     """
     from models.cost import network_seconds, peak_bytes
@@ -50,6 +51,7 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
     streams = streamed_check(model, source, params)
     header = check_input(spec, source, limits, streamed=streams)
     shape = model_shape(spec, header, params)
+    check_model_grid(spec, header, shape, params, limits)
     footprint = model.footprint()
     held = held_beside(spec, header, streamed=streams(header))
     plan = model.plan(

@@ -7,6 +7,11 @@ plus the running one), :meth:`~DeviceExecutor.reserve` raises
 :class:`~service.errors.QueueFullError` at once (HTTP 503 with ``Retry-After``), so neither jobs
 nor uploads pile up without bound. A job whose awaiting coroutine is cancelled before the job
 started (its client disconnected) is dropped from the queue and frees its slot immediately.
+
+A client (:func:`service.clients.client_of`: its API key's name, or its address) holds at most
+``client_slots`` slots at once, reserved or queued or running (``TILEWISE_MAX_CLIENT_SHARE`` of
+them): one client flooding the queue gets 503 for its own extra requests while the others are
+still let in.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ class Slot:
     no-op once consumed or released), so a ``finally: slot.release()`` never leaks a place.
     """
 
-    __slots__ = ("_executor", "held")
+    __slots__ = ("_executor", "client", "held")
 
-    def __init__(self, executor: DeviceExecutor) -> None:
+    def __init__(self, executor: DeviceExecutor, client: str | None = None) -> None:
         self._executor = executor
         self.held = True
+        self.client = client
 
     def release(self) -> None:
         """Give the place back unless a job took it (idempotent)."""
@@ -58,6 +64,7 @@ class DeviceExecutor:
         after_job: called on the worker thread after each job (e.g. to release free memory).
         workers: jobs run at once (``TILEWISE_SHARED_REQUESTS``; their forward passes share
             batches, :mod:`service.sharing`); 1 by default: one job at a time.
+        client_slots: the most slots one client may hold at once (``None``: no per-client bound).
     """
 
     def __init__(
@@ -69,9 +76,12 @@ class DeviceExecutor:
         on_depth: Callable[[int], None] | None = None,
         after_job: Callable[[], object] | None = None,
         workers: int = 1,
+        client_slots: int | None = None,
     ) -> None:
         self.device = device
         self.queue_size = queue_size
+        self.client_slots = client_slots
+        self._clients: dict[str, int] = {}  # slots held per client (reserved, queued or running)
         self.retry_after_s = retry_after_s
         self._on_depth = on_depth
         self._after_job = after_job
@@ -107,11 +117,24 @@ class DeviceExecutor:
         with self._lock:
             return not self._closed and not self._full()
 
-    def reserve(self) -> Slot:
-        """Take a slot for a job to be submitted later (e.g. once its upload is on disk).
+    def has_room_for(self, client: str | None) -> bool:
+        """Whether a slot taken now by ``client`` would be granted (a hint)."""
+        with self._lock:
+            return not self._closed and not self._full() and not self._client_full(client)
+
+    def _client_full(self, client: str | None) -> bool:
+        return (
+            client is not None
+            and self.client_slots is not None
+            and self._clients.get(client, 0) >= self.client_slots
+        )
+
+    def reserve(self, client: str | None = None) -> Slot:
+        """Take a slot for a job to be submitted later (e.g. once its upload is on disk), for
+        ``client`` (counted against its share until the job ends; ``None``: not counted).
 
         Raises:
-            QueueFullError: every slot is held or taken.
+            QueueFullError: every slot is held or taken, or ``client`` holds its share.
             NotReadyError: the executor is shut down.
         """
         with self._lock:
@@ -119,16 +142,36 @@ class DeviceExecutor:
                 raise NotReadyError("the inference executor is shut down")
             if self._full():
                 raise self.full_error()
+            if self._client_full(client):
+                raise self.client_full_error()
             self._reserved += 1
+            if client is not None:
+                self._clients[client] = self._clients.get(client, 0) + 1
             self._notify()
-        return Slot(self)
+        return Slot(self, client)
+
+    def _forget(self, client: str | None) -> None:
+        """One slot of ``client`` is given back (call with the lock held)."""
+        if client is not None and client in self._clients:
+            self._clients[client] -= 1
+            if self._clients[client] <= 0:
+                del self._clients[client]
 
     def _release(self, slot: Slot) -> None:
         with self._lock:
             if slot.held:
                 slot.held = False
                 self._reserved -= 1
+                self._forget(slot.client)
                 self._notify()
+
+    def client_full_error(self) -> QueueFullError:
+        """The error for a client that holds its share of the queue."""
+        return QueueFullError(
+            f"this client holds {self.client_slots} of the {self.queue_size + 1} inference slots, its "
+            f"share (TILEWISE_MAX_CLIENT_SHARE); retry in {self.retry_after_s} s",
+            retry_after_s=self.retry_after_s,
+        )
 
     def full_error(self) -> QueueFullError:
         """The error for a full queue (with this executor's ``Retry-After`` hint)."""
@@ -152,6 +195,7 @@ class DeviceExecutor:
                 or belongs to another executor.
         """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        client: str | None = None
         with self._lock:
             if self._closed:
                 raise RuntimeError("the inference executor is shut down")
@@ -163,11 +207,18 @@ class DeviceExecutor:
             else:
                 slot.held = False
                 self._reserved -= 1
+                client = slot.client  # the job holds the client's slot until it ends
             self._jobs.append((future, fn))
             self._notify()
             self._lock.notify()
+        if client is not None:
+            future.add_done_callback(lambda _: self._end_of(client))
         future.add_done_callback(self._on_done)
         return future
+
+    def _end_of(self, client: str) -> None:
+        with self._lock:
+            self._forget(client)
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Queue ``fn`` and await its result without blocking the event loop.

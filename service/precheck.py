@@ -1,14 +1,18 @@
 """What a request may cost, checked from the file's header before anything is decoded.
 
-:class:`Limits` holds what an input may declare (voxels, pixels, decompressed bytes) and what its
-plan may cost (:mod:`service.budget`, ``TILEWISE_MEMORY_BUDGET``). :func:`check_input` checks a
-header against them and the model; :func:`precheck` also plans on the header's shape (the model
-grid's, from its affine) and refuses a plan over the budget before the request is queued.
-:mod:`service.pipeline` runs the request; :mod:`service.dryrun` answers the plan.
+:class:`Limits` holds what an input may declare (voxels, pixels, decompressed bytes and their ratio
+to the file's bytes) and what its plan may cost (:mod:`service.budget`, ``TILEWISE_MEMORY_BUDGET``).
+:func:`check_input` checks a header against them and the model; :func:`precheck` also plans on the
+model grid (the header's shape resampled to the spec's spacing, from its affine), refuses a
+spacing no scan has (:func:`check_spacing`) and a model grid over ``max_voxels``
+(:func:`check_model_grid`), and a plan over the budget (memory, tiles, predicted seconds), before
+the request is queued. :mod:`service.pipeline` runs the request; :mod:`service.dryrun` answers the
+plan.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.codecs import Probe, probe
+from service.errors import PayloadTooLargeError, UnusableInputError
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model
@@ -24,7 +29,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Limits",
+    "MAX_SPACING_RATIO",
+    "MIN_SPACING_RATIO",
+    "RATIO_FREE_BYTES",
+    "check_compression",
     "check_input",
+    "check_model_grid",
+    "check_spacing",
     "copies_input",
     "held_beside",
     "input_bytes",
@@ -32,6 +43,13 @@ __all__ = [
     "precheck",
     "streamed_check",
 ]
+
+#: A voxel this many times larger than the model's (50 mm for a model of 1 mm), or smaller (1 um),
+#: is a mislabelled header: resampling it would make a model grid of another size altogether.
+MAX_SPACING_RATIO = 50.0
+MIN_SPACING_RATIO = 1e-3
+#: Inputs that inflate to at most this many bytes are not held to ``max_compression_ratio``.
+RATIO_FREE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +60,8 @@ class Limits:
         max_voxels: voxels times channels, from the header (413).
         max_image_pixels: pixels per plane of a picture or TIFF page (413).
         max_bytes: bytes once decompressed, from the header (413).
+        max_ratio: bytes once decompressed per byte of the file, above :data:`RATIO_FREE_BYTES`
+            (413): a compression bomb is refused before it is inflated.
         budget: batch size, tiles, work and memory of the plan (:mod:`service.budget`).
         memory_budget: bytes the plan should fit (``TILEWISE_MEMORY_BUDGET``): picks the tile and
             batch size the request does not give (:mod:`models.planner`).
@@ -52,19 +72,20 @@ class Limits:
     max_bytes: int | None = None
     budget: Budget | None = None
     memory_budget: int | None = None
+    max_ratio: float | None = None
 
     @classmethod
     def from_settings(cls, settings: Any) -> Limits:
-        """The limits of :class:`~service.settings.Settings` (decompressed bytes:
-        ``max_decoded_bytes``, else the request memory budget)."""
+        """The limits of :class:`~service.settings.Settings`."""
         from service.budget import Budget
 
         return cls(
             settings.max_voxels,
             settings.max_image_pixels,
-            settings.max_decoded_bytes or settings.max_request_bytes,
+            settings.max_decoded_bytes,
             Budget.from_settings(settings),
             settings.memory_budget,
+            settings.max_compression_ratio,
         )
 
 
@@ -78,7 +99,8 @@ def check_input(
     whole decoding) do not apply; its cost is the plan's memory and the disk.
 
     Raises:
-        PayloadTooLargeError: voxels, pixels or decompressed bytes over the limits (413).
+        PayloadTooLargeError: voxels, pixels, decompressed bytes or their ratio to the file's bytes
+            over the limits (413).
         UnusableInputError: the wrong dimensionality or channel count for the model (422).
         EmptyBodyError, UnsupportedMediaTypeError, DecodeError: see :func:`service.codecs.probe`.
     """
@@ -87,8 +109,30 @@ def check_input(
         header.check_limits(
             max_voxels=limits.max_voxels, max_image_pixels=limits.max_image_pixels, max_bytes=limits.max_bytes
         )
+    check_compression(header, Path(source).stat().st_size, limits.max_ratio)
     header.check_model(int(spec.spatial_dims), spec.name, in_channels=int(spec.in_channels))
     return header
+
+
+def check_compression(header: Probe, file_bytes: int, max_ratio: float | None) -> None:
+    """Refuse a file that declares more than ``max_ratio`` bytes once decompressed per byte it
+    holds, when it inflates past :data:`RATIO_FREE_BYTES` (from the header: nothing is inflated).
+
+    E.g. 1024^3 uint8 zeros in a 1 MB ``.nii.gz`` (gzip's ratio on zeros is about 1000): refused at
+    the default 200, where a CT (2 to 5) or an MRI with its background (5 to 20) passes.
+
+    Raises:
+        PayloadTooLargeError: naming both figures and ``max_compression_ratio`` (413).
+    """
+    if max_ratio is None or header.nbytes <= RATIO_FREE_BYTES:
+        return
+    ratio = header.nbytes / max(1, file_bytes)
+    if ratio > max_ratio:
+        raise PayloadTooLargeError(
+            f"{header.format_name} of {file_bytes} bytes declares {header.nbytes} bytes once "
+            f"decompressed: a ratio of {ratio:.0f}, over max_compression_ratio={max_ratio:g} "
+            "(TILEWISE_MAX_COMPRESSION_RATIO)"
+        )
 
 
 def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits) -> Probe:
@@ -100,7 +144,8 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
     real plan's cost, which :func:`service.pipeline.run_volume` checks again before running it.
 
     Raises:
-        PayloadTooLargeError, UnusableInputError: see :func:`check_input`.
+        PayloadTooLargeError, UnusableInputError: see :func:`check_input` and
+            :func:`check_model_grid`.
         OverBudgetError, MemoryBudgetError: the plan over the budget (422, 413).
         ParamError, GridError: parameters that cannot tile this image (400).
     """
@@ -123,12 +168,15 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
         fmt = output_format(header.kind, spec, params)
         dtype = output_dtype(params, labels)
         check_disk(source.parent, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped, dtype))
-    if limits.budget is not None:
+    if limits.budget is None:
+        check_model_grid(spec, header, model_shape(spec, header, params), params, limits)
+    else:
         if params.merged(spec.defaults).halo == "auto":
             params = params.model_copy(update={"halo": 0})
         footprint = model.known_footprint or Footprint.estimate(int(spec.in_channels))
         held = held_beside(spec, header, streamed=streams(header))
         shape = model_shape(spec, header, params)
+        check_model_grid(spec, header, shape, params, limits)
         plan = model.plan(shape, params, memory_budget=limits.memory_budget, footprint=footprint, **held)
         limits.budget.check_plan(
             plan, int(spec.in_channels), int(spec.out_channels), footprint=footprint, **held
@@ -172,6 +220,57 @@ def held_beside(spec: Any, header: Probe, *, streamed: bool) -> dict[str, Any]:
     if streamed:
         return {"input_bytes": 0, "copies_input": False, "output_on_disk": True}
     return {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
+
+
+def check_model_grid(
+    spec: Any, header: Probe, shape: tuple[int, ...], params: InferenceParams, limits: Limits
+) -> None:
+    """Refuse an input whose model grid ``shape`` (:func:`model_shape`) is beyond ``max_voxels``, or
+    whose spacing is implausible for the model (:func:`check_spacing`): the limits hold for what
+    the network will see, not only for what the header declares.
+
+    Raises:
+        UnusableInputError: see :func:`check_spacing` (422).
+        PayloadTooLargeError: ``shape`` times the model's input channels over ``max_voxels`` (413).
+    """
+    check_spacing(spec, header, params)
+    voxels = math.prod(shape) * int(spec.in_channels)
+    if limits.max_voxels is not None and voxels > limits.max_voxels:
+        raise PayloadTooLargeError(
+            f"the input ({'x'.join(map(str, header.spatial_shape))}) resampled to the model grid is "
+            f"{'x'.join(map(str, shape))} with {spec.in_channels} channel(s): {voxels} voxels; the "
+            f"limit is max_voxels={limits.max_voxels} (TILEWISE_MAX_VOXELS)"
+        )
+
+
+def check_spacing(spec: Any, header: Probe, params: InferenceParams) -> None:
+    """Refuse a voxel size that no scan has, relative to the model's spacing: above
+    :data:`MAX_SPACING_RATIO` times its largest spacing or below :data:`MIN_SPACING_RATIO` times
+    its smallest (for a model of 1 mm: over 50 mm or under 1 um). Only where the input is resampled
+    to the spec's ``spacing`` (a NIfTI with an affine, not ``spacing=native``).
+
+    E.g. 10^3 voxels of 100 mm for a model of 1 mm would be resampled to a 1000^3 model grid.
+
+    Raises:
+        UnusableInputError: naming the axis, the header's voxel size and the model's spacing (422).
+    """
+    affine = header.info.get("affine")
+    spacing = getattr(spec, "spacing", None)
+    if affine is None or spacing is None or getattr(spec, "frame", None) is not None:
+        return
+    if params.spacing == "native":
+        return
+    axes = 2 if int(spec.spatial_dims) == 2 and header.single_slice else len(header.spatial_shape)
+    zooms = np.sqrt((np.asarray(affine, dtype=np.float64)[:3, :axes] ** 2).sum(axis=0))
+    low, high = min(spacing) * MIN_SPACING_RATIO, max(spacing) * MAX_SPACING_RATIO
+    model = "x".join(f"{s:g}" for s in spacing)
+    for axis, zoom in enumerate(zooms):
+        if not (low <= zoom <= high):
+            raise UnusableInputError(
+                f"implausible voxel size: axis {axis} of the header's affine is {zoom:g} mm for model "
+                f"{spec.name!r} of spacing {model} mm (plausible: {low:g} to {high:g} mm); the header "
+                "is mislabelled: fix its pixdim / sform, or send spacing=native"
+            )
 
 
 def input_bytes(header: Probe) -> int:

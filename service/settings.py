@@ -35,7 +35,17 @@ Variable                          Meaning
 ``TILEWISE_MAX_REQUEST_BYTES``    most memory one request's plan may predict (413 beyond; default: half
                                   the memory of the machine or container)
 ``TILEWISE_MAX_DECODED_BYTES``    bytes an input may declare once decompressed, from its header (413
-                                  beyond; default: ``TILEWISE_MAX_REQUEST_BYTES``)
+                                  beyond; default 4 GiB, on its own: not the memory budget)
+``TILEWISE_MAX_COMPRESSION_RATIO`` most bytes once decompressed per byte of the file, for inputs that
+                                  inflate past 64 MiB (413 beyond; default 200; a gzip of zeros is ~1000)
+``TILEWISE_MAX_REQUEST_SECONDS``  most network seconds a request's plan may predict (``eta_s``; 422
+                                  beyond); a run past twice this is stopped (422 ``over_budget``; a job
+                                  fails with the reason). Default 3600; 0: unbounded
+``TILEWISE_MIN_VOXELS_PER_TILE``  input voxels per tile of one pass, at least, on the model grid (422
+                                  below; the first 64 tiles are free; default 64)
+``TILEWISE_MAX_CLIENT_SHARE``     share of the inference queue's slots one client may hold (503 beyond;
+                                  at least one slot; default 0.5). A client is its API key's name with
+                                  named keys, else its address
 ``TILEWISE_MEMORY_BUDGET``        bytes a request's plan should fit: picks the tile and batch size a request
                                   does not give (least predicted time within it; default: unset, the
                                   model's own, grown only where the halo eats the tile)
@@ -43,12 +53,19 @@ Variable                          Meaning
                                   what it holds and predictable (default 131072; 0: glibc's own)
 ``TILEWISE_MAX_UPLOADS``          uploads in progress at once (503 beyond; default 16); an upload
                                   takes an inference slot only once its body has arrived
+``TILEWISE_MAX_UPLOADS_PER_CLIENT`` uploads in progress at once from one client (503 beyond; default 4)
 ``TILEWISE_UPLOAD_MIN_RATE``      bytes/s an upload must average after the grace period (408 below;
-                                  default 16384; 0: no minimum)
+                                  default 16384; 0: no minimum); rises with the uploads in progress:
+                                  x1 up to half of ``TILEWISE_MAX_UPLOADS``, then up to x4 when all
 ``TILEWISE_UPLOAD_GRACE_S``       seconds before the minimum rate applies (default 10)
 ``TILEWISE_UPLOAD_IDLE_S``        seconds an upload may send nothing (408 beyond; default 30)
 ``TILEWISE_MAX_HEADER_BYTES``     request line plus headers, bytes (414 / 431 beyond; default 32768;
                                   ``tilewise serve`` only)
+``TILEWISE_HEADER_TIMEOUT_S``     seconds a request's line and headers may take to arrive, from its first
+                                  byte (or from the connection); then 408 and the connection closes
+                                  (default 10; ``tilewise serve`` only)
+``TILEWISE_MAX_CONNECTIONS``      open connections (and requests) at once; beyond, requests get 503
+                                  (uvicorn's ``limit_concurrency``; default 256; ``tilewise serve`` only)
 ``TILEWISE_JOBS_DIR``             folder of the jobs (state, input, partial output, result); share it
                                   between replicas (default: ``tilewise-jobs`` in the temporary folder)
 ``TILEWISE_JOB_TTL_S``            seconds a finished job (and its result) is kept (default 86400)
@@ -128,14 +145,21 @@ class Settings(BaseSettings):
     max_tiles: int = Field(default=65536, ge=1)
     max_work: float = Field(default=64.0, gt=0)
     max_request_bytes: int = Field(default_factory=lambda: memory_limit_bytes() // 2, ge=1)
-    max_decoded_bytes: int | None = Field(default=None, ge=1)
+    max_decoded_bytes: int = Field(default=4 * 2**30, ge=1)
+    max_compression_ratio: float = Field(default=200.0, ge=1)
+    max_request_seconds: float = Field(default=3600.0, ge=0)
+    min_voxels_per_tile: int = Field(default=64, ge=1)
+    max_client_share: float = Field(default=0.5, gt=0, le=1)
     memory_budget: Annotated[int | None, BeforeValidator(bytes_with_unit)] = Field(default=None, ge=1)
     mmap_threshold_bytes: int = Field(default=131072, ge=0)
     max_uploads: int = Field(default=16, ge=1)
+    max_uploads_per_client: int = Field(default=4, ge=1)
     upload_min_rate: int = Field(default=16384, ge=0)
     upload_grace_s: float = Field(default=10.0, ge=0)
     upload_idle_s: float = Field(default=30.0, gt=0)
     max_header_bytes: int = Field(default=32768, ge=1024)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    max_connections: int = Field(default=256, ge=2)
     jobs_dir: Path | None = None
     job_ttl_s: float = Field(default=86400.0, gt=0)
     job_lease_s: float = Field(default=30.0, gt=0)

@@ -8,8 +8,13 @@ the limit. File writes run in worker threads, so the event loop never blocks on 
 
 A slow or stalled sender cannot hold the server: uploads in progress are bounded by their own
 count (:class:`UploadSlots`, 503 beyond, apart from the inference queue: a request takes an
-inference slot only once its body has arrived), and each must keep a minimum average rate after
-a grace period and never pause longer than ``idle_s`` (408 ``upload_timeout`` otherwise).
+inference slot only once its body has arrived) and by their count per client
+(``TILEWISE_MAX_UPLOADS_PER_CLIENT``, :mod:`service.clients`), and each must keep a minimum average
+rate after a grace period and never pause longer than ``idle_s`` (408 ``upload_timeout``
+otherwise). The minimum rate rises with the share of upload slots taken (:func:`rate_factor`: x1
+up to half of them, then linearly to x4 when all are), so that senders just above the minimum
+cannot hold every slot for long: at 16 KiB/s, 16 uploads that fill 16 slots must each average
+64 KiB/s once their grace period is over.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +40,7 @@ from service.errors import (
     UploadTimeoutError,
 )
 
-__all__ = ["Pace", "UploadSlots", "receive_upload"]
+__all__ = ["MAX_RATE_FACTOR", "Pace", "UploadSlots", "rate_factor", "receive_upload"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,46 +99,81 @@ class _FilePart:
             self.finished = True
 
 
+#: The minimum upload rate when every upload slot is taken, times ``upload_min_rate``.
+MAX_RATE_FACTOR = 4.0
+
+
+def rate_factor(pressure: float) -> float:
+    """The factor of ``upload_min_rate`` at ``pressure`` (the share of upload slots taken, 0..1):
+    1 up to 0.5, then linear up to :data:`MAX_RATE_FACTOR` at 1.
+
+    >>> rate_factor(0.25), rate_factor(0.75), rate_factor(1.0)
+    (1.0, 2.5, 4.0)
+    """
+    excess = min(1.0, max(0.0, (pressure - 0.5) / 0.5))
+    return 1.0 + (MAX_RATE_FACTOR - 1.0) * excess
+
+
 @dataclass(frozen=True, slots=True)
 class Pace:
     """How fast an upload must arrive.
 
     Attributes:
-        min_rate: bytes per second the upload must average once ``grace_s`` has passed (0: none).
+        min_rate: bytes per second the upload must average once ``grace_s`` has passed (0: none),
+            times :func:`rate_factor` of ``pressure()``.
         grace_s: seconds from the first byte read before the minimum rate applies.
         idle_s: the longest pause between two chunks (seconds).
+        pressure: the share of upload slots taken now (:meth:`UploadSlots.pressure`); ``None``: 0.
     """
 
     min_rate: int = 0
     grace_s: float = 10.0
     idle_s: float = 30.0
+    pressure: Callable[[], float] | None = None
 
     def deadline(self, started: float, received: int, now: float) -> tuple[float, str]:
         """When the next chunk must have arrived (monotonic seconds), and why."""
         idle = now + self.idle_s
         if self.min_rate <= 0:
             return idle, f"no data for {self.idle_s:g} s"
-        slow = started + max(self.grace_s, received / self.min_rate)
+        pressure = self.pressure() if self.pressure is not None else 0.0
+        factor = rate_factor(pressure)
+        rate = self.min_rate * factor
+        slow = started + max(self.grace_s, received / rate)
         if slow < idle:
-            return slow, f"slower than upload_min_rate={self.min_rate} bytes/s after {self.grace_s:g} s"
+            why = f"slower than upload_min_rate={self.min_rate} bytes/s after {self.grace_s:g} s"
+            if factor > 1.0:
+                why = (
+                    f"slower than {rate:.0f} bytes/s after {self.grace_s:g} s ({factor:.1f} x "
+                    f"upload_min_rate={self.min_rate}: {pressure:.0%} of the upload slots are taken)"
+                )
+            return slow, why
         return idle, f"no data for {self.idle_s:g} s"
 
 
 class UploadSlots:
-    """At most ``limit`` uploads in progress at once (each held while its body arrives).
+    """At most ``limit`` uploads in progress at once (each held while its body arrives), and at
+    most ``per_client`` of one client.
 
-    Raises :class:`~service.errors.QueueFullError` (503 with ``Retry-After``) when all are taken.
+    Raises :class:`~service.errors.QueueFullError` (503 with ``Retry-After``) when all are taken,
+    or the client's are.
     """
 
-    def __init__(self, limit: int, *, retry_after_s: int = 1) -> None:
+    def __init__(self, limit: int, *, retry_after_s: int = 1, per_client: int | None = None) -> None:
         self.limit = limit
+        self.per_client = per_client
         self.retry_after_s = retry_after_s
         self.active = 0
+        self._clients: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def pressure(self) -> float:
+        """The share of slots taken now (0..1)."""
+        return self.active / self.limit
+
     @contextmanager
-    def hold(self) -> Iterator[None]:
-        """Hold one slot for the duration of the ``with`` block."""
+    def hold(self, client: str | None = None) -> Iterator[None]:
+        """Hold one slot, of ``client`` (:func:`service.clients.client_of`), for the ``with`` block."""
         with self._lock:
             if self.active >= self.limit:
                 raise QueueFullError(
@@ -141,12 +181,25 @@ class UploadSlots:
                     f"retry in {self.retry_after_s} s",
                     retry_after_s=self.retry_after_s,
                 )
+            mine = self._clients.get(client, 0) if client is not None else 0
+            if self.per_client is not None and client is not None and mine >= self.per_client:
+                raise QueueFullError(
+                    f"this client has {mine} uploads in progress (TILEWISE_MAX_UPLOADS_PER_CLIENT="
+                    f"{self.per_client}); retry in {self.retry_after_s} s",
+                    retry_after_s=self.retry_after_s,
+                )
             self.active += 1
+            if client is not None:
+                self._clients[client] = mine + 1
         try:
             yield
         finally:
             with self._lock:
                 self.active -= 1
+                if client is not None:
+                    self._clients[client] -= 1
+                    if not self._clients[client]:
+                        del self._clients[client]
 
 
 def _too_large(received: int, limit: int) -> PayloadTooLargeError:

@@ -53,14 +53,26 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--max-tiles", "max_tiles", _positive, "most tiles one request may run (65536)"),
     ("--max-work", "max_work", _work, "most voxels through the network per input voxel (64)"),
     ("--max-request-bytes", "max_request_bytes", _positive, "most memory one request's plan may predict"),
-    ("--max-decoded-bytes", "max_decoded_bytes", _positive, "bytes an input may inflate to"),
+    ("--max-decoded-bytes", "max_decoded_bytes", _positive, "bytes an input may inflate to (4 GiB)"),
+    ("--max-compression-ratio", "max_compression_ratio", _work, "inflated / file bytes, past 64 MiB (200)"),
+    (
+        "--max-request-seconds",
+        "max_request_seconds",
+        _seconds,
+        "predicted seconds of a plan (3600; 0: any)",
+    ),
+    ("--min-voxels-per-tile", "min_voxels_per_tile", _positive, "input voxels per tile, at least (64)"),
+    ("--max-client-share", "max_client_share", _work, "share of queue slots one client may hold (0.5)"),
     ("--memory-budget", "memory_budget", argparse_bytes, "memory a plan should fit (300MB, 2GiB)"),
     ("--mmap-threshold", "mmap_threshold_bytes", _count, "glibc mmap threshold, bytes (131072; 0: glibc's)"),
     ("--max-uploads", "max_uploads", _positive, "uploads in progress at once (16)"),
+    ("--max-uploads-per-client", "max_uploads_per_client", _positive, "uploads in progress per client (4)"),
     ("--upload-min-rate", "upload_min_rate", _count, "bytes/s an upload must average (16384)"),
     ("--upload-grace", "upload_grace_s", _seconds, "seconds before the minimum rate applies (10)"),
     ("--upload-idle", "upload_idle_s", _work, "seconds an upload may send nothing (30)"),
     ("--max-header-bytes", "max_header_bytes", _positive, "request line plus headers, bytes (32768)"),
+    ("--header-timeout", "header_timeout_s", _work, "seconds a request's line and headers may take (10)"),
+    ("--max-connections", "max_connections", _positive, "open connections; requests beyond get 503 (256)"),
     ("--jobs-dir", "jobs_dir", Path, "folder of the jobs, shared by replicas (default: under the tmp dir)"),
     ("--job-ttl", "job_ttl_s", _work, "seconds a finished job and its result are kept (86400)"),
     ("--job-lease", "job_lease_s", _work, "seconds a job's lease outlives its owner's last renewal (30)"),
@@ -130,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from service.app import create_app
-    from service.server import DrainingServer, JsonH11Protocol
+    from service.server import DrainingServer, protocol_with
 
     try:
         settings = settings_from_args(args)
@@ -153,8 +165,9 @@ def _run(args: argparse.Namespace) -> int:
         port=args.port,
         log_config=None,  # service.log configured the root logger already
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
-        http=JsonH11Protocol,
+        http=protocol_with(settings.header_timeout_s),
         h11_max_incomplete_event_size=settings.max_header_bytes,
+        limit_concurrency=settings.max_connections,
     )
     DrainingServer(config, app.state, settings.drain_s).run()
     return 0

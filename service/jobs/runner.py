@@ -35,6 +35,7 @@ from typing import Any
 from models.params import parse_query
 from service.admission import load_model
 from service.cluster import ClusterRoute
+from service.deadline import RunDeadline
 from service.errors import NotReadyError, QueueFullError
 from service.executor import DeviceExecutor, Slot
 from service.http_errors import classify
@@ -224,8 +225,11 @@ class JobService:
         progress = RunProgress(record, lease, self.store, self.metrics)
         folder = self.store.folder(job_id)
 
-        def should_stop() -> bool:
+        def stopped() -> bool:
             return held.stop.is_set() or not lease.valid() or self.store.cancel_requested(job_id)
+
+        deadline = RunDeadline.of(self.limits)  # past twice max_request_seconds: failed, with why
+        should_stop = deadline.should_stop(stopped)
 
         try:
             model = load_model(self.repository(), record.model)
@@ -234,6 +238,7 @@ class JobService:
                 folder / PARTIAL_FILE, record.checkpoint, progress.save_checkpoint, progress.on_start
             )
             with contextlib.ExitStack() as stack:
+                stack.enter_context(deadline.running())
                 tiled = self._dask_pass(record, folder, progress)
                 if tiled is not None:
                     stack.enter_context(tiled)

@@ -22,6 +22,8 @@ from starlette.types import Receive, Scope, Send
 from models.params import InferenceParams, parse_query
 from service.admission import admit, check_request, load_model
 from service.budget import Budget
+from service.clients import client_of
+from service.deadline import RunDeadline
 from service.deps import ExecutorDep, MetricsDep, RepositoryDep, SettingsDep
 from service.errors import NotReadyError
 from service.executor import Slot
@@ -77,16 +79,23 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     408: error_doc("upload_timeout", "The upload stalled, or arrived below the minimum rate."),
     413: error_doc(
         "payload_too_large",
-        "Upload over max_upload_bytes, image over max_voxels / pixels / decompressed bytes, or a "
-        "plan whose predicted memory is over max_request_bytes (`over_budget`).",
+        "Upload over max_upload_bytes, image over max_voxels (on the model grid too) / pixels / "
+        "decompressed bytes / compression ratio, or a plan whose predicted memory is over "
+        "max_request_bytes (`over_budget`).",
     ),
     415: error_doc("unsupported_media_type", "Not NIfTI-1/2, PNG, JPEG or TIFF (by content)."),
     422: error_doc(
         "unusable_input",
-        "Corrupt/truncated file, wrong dimensionality or channels, NaN-only; or a plan over "
-        "max_batch_size / max_tiles / max_work (`over_budget`).",
+        "Corrupt/truncated file, wrong dimensionality or channels, NaN-only, an implausible voxel "
+        "size for the model; or a plan over max_batch_size / max_tiles / max_work / "
+        "min_voxels_per_tile / max_request_seconds, or a run stopped past twice max_request_seconds "
+        "(`over_budget`).",
     ),
-    503: error_doc("queue_full", "The device queue is full; retry after `Retry-After` seconds."),
+    503: error_doc(
+        "queue_full",
+        "The device queue is full, or this client holds its share of it or of the upload slots; retry "
+        "after `Retry-After` seconds.",
+    ),
     507: error_doc(
         "insufficient_storage",
         "A streamed request (an input read by region): the disk cannot hold the output and temporaries.",
@@ -222,11 +231,11 @@ def _work(
         metrics.stage_seconds.labels("queue").observe(time.perf_counter() - queued_at)
     model = _loaded(repository, name)
     tiles = metrics.tiles.labels(model.spec.name)
+    deadline = RunDeadline.of(limits)  # stops a run past twice max_request_seconds (422)
     shared = batches.bind(model) if batches is not None else contextlib.nullcontext()
-    with shared:  # TILEWISE_SHARED_REQUESTS > 1: forward passes shared with other requests
-        result = run_file(
-            model, source, stem, params, limits=limits, should_stop=stop.is_set, progress=tiles.inc
-        )
+    with shared, deadline.running():  # TILEWISE_SHARED_REQUESTS > 1: forward passes shared
+        stopper = deadline.should_stop(stop.is_set)
+        result = run_file(model, source, stem, params, limits=limits, should_stop=stopper, progress=tiles.inc)
     for stage, seconds in result.stages.items():
         metrics.stage_seconds.labels(stage).observe(seconds)
     metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
@@ -287,13 +296,15 @@ async def infer(
         limits = Limits.from_settings(settings)
         Budget.from_settings(settings).check_params(params)
         check_request(repository.spec(name), params)
-        if not params.dry_run and not executor.has_room():  # a hint: nothing is read when full now
-            raise executor.full_error()
+        client = client_of(request)  # its share of the queue and of the upload slots
+        if not params.dry_run and not executor.has_room_for(client):  # a hint: nothing read when full
+            raise executor.full_error() if executor.has_room() else executor.client_full_error()
         # The body arrives under the upload bound (count, rate); only then does the request take
         # an inference slot, so slow senders never hold the device queue.
-        with state.uploads.hold():
+        with state.uploads.hold(client):
             workdir = await anyio.to_thread.run_sync(state.workroot.mkdtemp)
-            pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s)
+            pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s,
+                        pressure=state.uploads.pressure)  # fmt: skip
             source, n_bytes = await receive_upload(
                 request, workdir / "input", max_bytes=settings.max_upload_bytes, pace=pace
             )
@@ -303,7 +314,7 @@ async def infer(
             status = 200
             return JSONResponse(answer)
         await anyio.to_thread.run_sync(_precheck, repository, label, source, params, limits)
-        slot = executor.reserve()
+        slot = executor.reserve(client)
         stem = workdir / "output"
         prepared = await anyio.to_thread.run_sync(_prepare, repository, label, source, stem, params, limits)
         logger.info("request %s queued model=%s on %s", current_request_id(), label, executor.device)

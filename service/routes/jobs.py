@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect
 from models.params import InferenceParams, parse_query
 from service.admission import admit, check_request
 from service.budget import Budget
+from service.clients import client_of
 from service.deps import ExecutorDep, MetricsDep, RepositoryDep, SettingsDep
 from service.errors import (
     BadParameterError,
@@ -200,22 +201,24 @@ async def submit_job(
             return _accepted(
                 await anyio.to_thread.run_sync(_same_job, service, existing, label, query, principal)
             )
-    if not executor.has_room():
-        raise executor.full_error()
+    client = client_of(request)  # its share of the queue and of the upload slots
+    if not executor.has_room_for(client):
+        raise executor.full_error() if executor.has_room() else executor.client_full_error()
     folder: Path | None = None
     slot: Slot | None = None
     try:
-        with state.uploads.hold():
+        with state.uploads.hold(client):
             job_id, job_folder = await anyio.to_thread.run_sync(store.new_folder)
             folder = job_folder
-            pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s)
+            pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s,
+                        pressure=state.uploads.pressure)  # fmt: skip
             source, n_bytes = await receive_upload(
                 request, job_folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
             )
         metrics.bytes_in.inc(n_bytes)
         limits = Limits.from_settings(settings)
         await anyio.to_thread.run_sync(admit, repository, label, source, params, limits)
-        slot = executor.reserve()
+        slot = executor.reserve(client)
         record, lease = await anyio.to_thread.run_sync(
             service.create, job_id, label, query, key_hash, principal.name
         )
