@@ -82,6 +82,8 @@ def to_model(volume: npt.ArrayLike, plan: GeometryPlan) -> npt.NDArray[np.float3
     if plan.reorients:
         x = _oriented(x, plan.ornt)
     x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.strides and min(x.strides) < 0:  # a flipped axis of one voxel keeps its negative stride
+        x = x.copy()
     if not plan.resamples:
         return x
     with torch.inference_mode():
@@ -143,7 +145,10 @@ def _resample_back(
     with torch.inference_mode():
         for start in range(0, r0, rows):
             stop = min(start + rows, r0)
-            lo, hi = int(i0[start]), int(i1[stop - 1]) + 1
+            if m0 != r0:  # the source rows that bracket rows start:stop
+                lo, hi = int(i0[start]), int(i1[stop - 1]) + 1
+            else:  # the same rows (i1 = i0 + 1 would add one row, and the slab one row too many)
+                lo, hi = start, stop
             part = pred[:, lo:hi]
             if part.dtype != np.float32 or not part.flags.writeable or min(part.strides) < 0:
                 part = np.array(part, dtype=np.float32)  # torch views only writable, forward-strided memory
