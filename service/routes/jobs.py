@@ -9,6 +9,7 @@ place in the device queue (503 when full).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import re
 import shutil
@@ -91,6 +92,24 @@ def _same_job(service: JobService, job_id: str, model: str, query: dict[str, str
     return record
 
 
+def _same_body(store: Any, job_id: str, key_hash: str, digest: str) -> None:
+    """Refuse a retry whose body is not the one the key's job was made from (its SHA-256)."""
+    first = store.key_digest(key_hash)
+    if first is not None and first != digest:
+        raise IdempotencyKeyReusedError(
+            f"Idempotency-Key names job {job_id}, made from a body of sha256 {first[:16]}...; this "
+            f"request's body has sha256 {digest[:16]}... (a new file needs a new key)"
+        )
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _parse(request: Request, repository: Any) -> tuple[str, InferenceParams]:
     items = request.query_params.multi_items()
     names = [value for key, value in items if key == "model"]
@@ -110,7 +129,8 @@ _SUBMIT_OPENAPI = {
             "name": "Idempotency-Key",
             "in": "header",
             "required": False,
-            "description": "A retried submission with the same key returns the same job.",
+            "description": "A retried submission with the same key (same model, parameters and body) "
+            "returns the same job; another body or parameters: 409.",
             "schema": {"type": "string", "maxLength": 255},
         },
     ],
@@ -139,7 +159,7 @@ _SUBMIT_OPENAPI = {
         202: {"description": "The job (`Location: /v1/jobs/{id}`).", "content": {"application/json": {}}},
         400: error_doc("bad_parameter", "Missing model, invalid parameter or key, or an empty body."),
         404: error_doc("unknown_model", "No model of this name."),
-        409: error_doc("idempotency_key_reused", "The key names a job of another model or parameters."),
+        409: error_doc("idempotency_key_reused", "The key names a job of another model, parameters or body."),
         413: error_doc("payload_too_large", "Upload, image or plan over the limits."),
         503: error_doc("queue_full", "The device queue is full; retry after `Retry-After` seconds."),
     },
@@ -162,14 +182,15 @@ async def submit_job(
     query = params.to_query()
     key = request.headers.get("idempotency-key")
     key_hash = None
+    retried: dict[str, Any] | None = None
     if key is not None:
         if not _KEY_RE.match(key):
             raise BadParameterError("Idempotency-Key must be 1 to 255 visible ASCII characters")
         key_hash = store.key_hash(key)
-        existing = await anyio.to_thread.run_sync(store.find_key, key_hash)
-        if existing is not None:  # a retry: the body is not read
-            return _accepted(await anyio.to_thread.run_sync(_same_job, service, existing, label, query))
-    if not executor.has_room():
+        found = await anyio.to_thread.run_sync(store.find_key, key_hash)
+        if found is not None:  # a retry: same model and parameters, then (once read) same body
+            retried = await anyio.to_thread.run_sync(_same_job, service, found, label, query)
+    if retried is None and not executor.has_room():
         raise executor.full_error()
     folder: Path | None = None
     slot: Slot | None = None
@@ -182,18 +203,27 @@ async def submit_job(
                 request, job_folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
             )
         metrics.bytes_in.inc(n_bytes)
+        digest = None
+        if key_hash is not None:
+            digest = await anyio.to_thread.run_sync(_file_sha256, job_folder / INPUT_FILE)
+            if retried is not None:
+                await anyio.to_thread.run_sync(_same_body, store, retried["id"], key_hash, digest)
+                return _accepted(retried)
         limits = Limits.from_settings(settings)
         model = await anyio.to_thread.run_sync(repository.get, label)
         await anyio.to_thread.run_sync(precheck, model, source, params, limits)
         slot = executor.reserve()
         record, lease = await anyio.to_thread.run_sync(service.create, job_id, label, query, key_hash)
         if key_hash is not None:
-            bound = await anyio.to_thread.run_sync(store.bind_key, key_hash, job_id)
+            bound = await anyio.to_thread.run_sync(store.bind_key, key_hash, job_id, digest)
             if bound != job_id:  # a concurrent submission with this key made the job first
                 lease.release()
                 await anyio.to_thread.run_sync(store.remove, job_id)
                 folder = None
-                return _accepted(await anyio.to_thread.run_sync(_same_job, service, bound, label, query))
+                same = await anyio.to_thread.run_sync(_same_job, service, bound, label, query)
+                assert digest is not None
+                await anyio.to_thread.run_sync(_same_body, store, bound, key_hash, digest)
+                return _accepted(same)
         service.enqueue(lease, slot)
         folder = None
         logger.info("request %s: job %s queued model=%s", current_request_id(), job_id, label)
