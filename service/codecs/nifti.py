@@ -337,8 +337,8 @@ def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
     """Write ``array`` (the model output on ``volume``'s grid) as NIfTI; the suffix picks gzip.
 
     A NIfTI input's header is copied (geometry bit-identical, ``pixdim`` included; data type from
-    ``array``, scaling reset, display range cleared). Other inputs get an identity affine with
-    both codes 0.
+    ``array``, scaling reset, display range cleared, ``vox_offset`` recomputed). Other inputs get an
+    identity affine with both codes 0.
     """
     if volume.kind != "nifti" or volume.header is None:
         out = _channels_last(array, volume.spatial_dims)
@@ -348,6 +348,7 @@ def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
     header = volume.header.copy()
     header.set_data_dtype(out.dtype)
     header.set_slope_inter(1.0, 0.0)  # written as "no scaling" (NaN) for float and uint8 output
+    header["vox_offset"] = 0  # not the input's (100 is inside the header): 0 lets nibabel place the data
     header["cal_min"] = 0.0
     header["cal_max"] = 0.0
     image = _image_class(int(volume.info.get("nifti_version", 1)))(out, None, header=header)

@@ -1,0 +1,56 @@
+"""Inputs from the field that answered 500 or a silent wrong answer (issue 23 items 10 and 11).
+
+- item 10: a NIfTI whose ``vox_offset`` lies below 352 (inside the header: -1000, 0.5, 100, 351)
+  decodes (nibabel's rule: the voxels start at 352 at the earliest), and its output header is
+  written with the offset nibabel computes, not the copied one (it was a 500 from ``nib.save``).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from models import ModelRepository, parse_params
+from service.codecs import decode, encode
+from service.pipeline import run_file
+
+VOX_OFFSET_AT = 108  # byte offset of the float32 vox_offset in a NIfTI-1 header
+
+
+def _with_vox_offset(folder: Path, value: float, rng: np.random.Generator) -> tuple[Path, np.ndarray]:
+    data = rng.integers(0, 1000, size=(11, 13, 7)).astype(np.int16)
+    path = folder / "in.nii"
+    nib.save(nib.Nifti1Image(data, np.diag([1.5, 1.5, 2.0, 1.0])), path)
+    raw = bytearray(path.read_bytes())
+    assert struct.unpack("<f", raw[VOX_OFFSET_AT : VOX_OFFSET_AT + 4])[0] == 352.0
+    raw[VOX_OFFSET_AT : VOX_OFFSET_AT + 4] = struct.pack("<f", value)
+    path.write_bytes(bytes(raw))
+    return path, data
+
+
+@pytest.mark.parametrize("value", [-1000.0, 0.5, 100.0, 351.0])
+@pytest.mark.parametrize("suffix", ["nii", "nii.gz"])
+def test_a_vox_offset_inside_the_header_is_not_copied(
+    tmp_path: Path, rng: np.random.Generator, value: float, suffix: str
+) -> None:
+    path, data = _with_vox_offset(tmp_path, value, rng)
+    volume = decode(path)
+    np.testing.assert_array_equal(volume.data[0], data)
+    out = tmp_path / f"out.{suffix}"
+    encode(volume, volume.data.astype(np.float32), suffix, out)
+    written = nib.load(out)
+    if suffix == "nii":  # on disk (nibabel's loaded header says 0: "work it out")
+        assert struct.unpack("<f", out.read_bytes()[VOX_OFFSET_AT : VOX_OFFSET_AT + 4])[0] >= 352
+    np.testing.assert_array_equal(np.asarray(written.dataobj), data.astype(np.float32))
+    np.testing.assert_array_equal(written.affine, np.diag([1.5, 1.5, 2.0, 1.0]))
+
+
+def test_a_vox_offset_of_100_through_the_pipeline(tmp_path: Path, rng: np.random.Generator) -> None:
+    path, data = _with_vox_offset(tmp_path, 100.0, rng)
+    model = ModelRepository("/nonexistent", device="cpu").get("gaussian-3d")
+    result = run_file(model, path, tmp_path / "out", parse_params({}))
+    assert nib.load(result.path).shape == data.shape
