@@ -281,6 +281,14 @@ def run_file(
         limits=limits,
     )
     array, plan = run.result, run.plan
+    from models.preprocess import count_nonfinite
+
+    bad = count_nonfinite(volume.data)
+    if bad:  # replaced by 0 after preprocessing (models.preprocess)
+        nonfinite = f"{bad} non-finite input voxel(s) (NaN or inf) were replaced by 0 after preprocessing"
+        plan = dataclasses.replace(
+            plan, warning=nonfinite if not plan.warning else f"{plan.warning}; {nonfinite}"
+        )
     if plan.warning:
         logger.warning("model %s: %s", spec.name, plan.warning)
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
