@@ -3,6 +3,8 @@
 - item 10: a NIfTI whose ``vox_offset`` lies below 352 (inside the header: -1000, 0.5, 100, 351)
   decodes (nibabel's rule: the voxels start at 352 at the earliest), and its output header is
   written with the offset nibabel computes, not the copied one (it was a 500 from ``nib.save``).
+- item 11: a ``.nii.gz`` whose trailer has a wrong CRC-32 and a NIfTI of 1e-6 mm voxels are
+  refused (422), no longer answered.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 import pytest
 
 from models import ModelRepository, parse_params
-from service.codecs import decode, encode
+from service.codecs import decode, encode, probe
+from service.errors import DecodeError, UnusableInputError
 from service.pipeline import run_file
 
 VOX_OFFSET_AT = 108  # byte offset of the float32 vox_offset in a NIfTI-1 header
@@ -54,3 +57,29 @@ def test_a_vox_offset_of_100_through_the_pipeline(tmp_path: Path, rng: np.random
     model = ModelRepository("/nonexistent", device="cpu").get("gaussian-3d")
     result = run_file(model, path, tmp_path / "out", parse_params({}))
     assert nib.load(result.path).shape == data.shape
+
+
+def test_a_gzip_trailer_with_a_wrong_crc_is_refused(tmp_path: Path, rng: np.random.Generator) -> None:
+    """Issue 23 item 11: the stream is read to its end, so gzip checks its CRC-32 (was a 200)."""
+    data = rng.normal(size=(9, 10, 11)).astype(np.float32)
+    path = tmp_path / "in.nii.gz"
+    nib.save(nib.Nifti1Image(data, np.eye(4)), path)
+    np.testing.assert_array_equal(decode(path).data[0], data)
+    raw = bytearray(path.read_bytes())
+    raw[-8] ^= 0xFF  # the CRC-32 of the trailer (then the length, 4 bytes)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(DecodeError, match="(?i)crc"):
+        decode(path)
+
+
+@pytest.mark.parametrize("zoom", [1e-6, 1e-9, 1e7])
+def test_implausible_voxel_sizes_are_refused_at_probe(tmp_path: Path, zoom: float) -> None:
+    """Issue 23 item 11: 1e-6 mm voxels ran on a 1 x 1 x 1 model grid and returned labels."""
+    path = tmp_path / "tiny.nii.gz"
+    nib.save(nib.Nifti1Image(np.ones((8, 8, 8), np.float32), np.diag([zoom, zoom, zoom, 1.0])), path)
+    with pytest.raises(UnusableInputError, match="implausible voxel size"):
+        probe(path)
+    with pytest.raises(UnusableInputError, match="implausible voxel size"):
+        decode(path)
+    nib.save(nib.Nifti1Image(np.ones((8, 8, 8), np.float32), np.diag([0.5, 0.5, 3.0, 1.0])), path)
+    assert probe(path).spatial_shape == (8, 8, 8)
