@@ -4,7 +4,8 @@
   decodes (nibabel's rule: the voxels start at 352 at the earliest), and its output header is
   written with the offset nibabel computes, not the copied one (it was a 500 from ``nib.save``).
 - item 11: a ``.nii.gz`` whose trailer has a wrong CRC-32 and a NIfTI of 1e-6 mm voxels are
-  refused (422), no longer answered.
+  refused (422), no longer answered; so are a TIFF whose pages differ in shape (was page 1 only)
+  and a TIFF of 1x1 pages (was a 20000x1 image).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+import tifffile
 
 from models import ModelRepository, parse_params
 from service.codecs import decode, encode, probe
@@ -83,3 +85,35 @@ def test_implausible_voxel_sizes_are_refused_at_probe(tmp_path: Path, zoom: floa
         decode(path)
     nib.save(nib.Nifti1Image(np.ones((8, 8, 8), np.float32), np.diag([0.5, 0.5, 3.0, 1.0])), path)
     assert probe(path).spatial_shape == (8, 8, 8)
+
+
+def test_tiff_pages_of_different_shapes_are_refused(tmp_path: Path) -> None:
+    """Issue 23 item 11: was computed from page 1 only, with no word."""
+    path = tmp_path / "mixed.tif"
+    with tifffile.TiffWriter(path) as tif:
+        tif.write(np.zeros((20, 30), np.uint8))
+        tif.write(np.zeros((25, 31), np.uint8))
+    with pytest.raises(UnusableInputError, match=r"2 images of shapes \(20, 30\), \(25, 31\)"):
+        probe(path)
+    with pytest.raises(UnusableInputError, match="2 images"):
+        decode(path)
+    same = tmp_path / "stack.tif"
+    tifffile.imwrite(
+        same, np.arange(4 * 20 * 30, dtype=np.uint16).reshape(4, 20, 30), photometric="minisblack"
+    )
+    assert decode(same).data.shape == (1, 4, 20, 30)  # one shape: a volume of 4 pages
+
+
+@pytest.mark.parametrize("pages", [200, 20_000])
+def test_tiff_of_one_pixel_pages_is_refused(tmp_path: Path, pages: int) -> None:
+    """Issue 23 item 11: 20,000 1x1 pages became a 20000x1 image."""
+    column = tmp_path / "column.tif"
+    tifffile.imwrite(column, np.ones((pages, 1, 1), np.uint8))
+    with pytest.raises(UnusableInputError, match="at least 2 pixels per axis"):
+        decode(column)
+    separate = tmp_path / "separate.tif"
+    with tifffile.TiffWriter(separate) as tif:
+        for _ in range(min(pages, 300)):
+            tif.write(np.ones((1, 1), np.uint8), contiguous=False)
+    with pytest.raises(UnusableInputError):
+        decode(separate)
