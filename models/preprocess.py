@@ -26,7 +26,7 @@ from models.spec import ModelSpec, PreprocessStep
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Reduce", "count_nonfinite", "make_reduce", "preprocess"]
+__all__ = ["Reduce", "count_nonfinite", "label_dtype", "make_reduce", "preprocess"]
 
 logger = logging.getLogger(__name__)
 
@@ -236,4 +236,13 @@ class Reduce:
             return y
         if y.shape[0] == 1:
             return (y > self.threshold).to(torch.uint8)
-        return torch.argmax(y, dim=0, keepdim=True).to(torch.uint8)
+        labels = torch.argmax(y, dim=0, keepdim=True)  # int64
+        return labels.to(torch.uint8) if y.shape[0] <= 256 else labels.to(torch.int32)  # >255 classes kept
+
+
+def label_dtype(n_classes: int) -> np.dtype[Any]:
+    """The smallest unsigned dtype holding labels ``0 .. n_classes - 1``: uint8 up to 256 classes,
+    uint16 up to 65,536, else uint32 (encoders refuse by name what their format cannot hold)."""
+    if n_classes <= 256:
+        return np.dtype(np.uint8)
+    return np.dtype(np.uint16) if n_classes <= 65_536 else np.dtype(np.uint32)

@@ -182,6 +182,7 @@ def run_volume(
         ``plan`` the plan that ran (on the model grid), its ``seam`` the measured seam or ``None``.
     """
     from models.mapping import run_mapped
+    from models.preprocess import label_dtype
 
     spec = model.spec
     data, dropped = fit_to_model(volume, spec)
@@ -214,7 +215,7 @@ def run_volume(
     if dropped:
         result = result[..., None]
     if run.plan.output == "labels":
-        result = result.astype(np.uint8, copy=False)
+        result = result.astype(label_dtype(int(spec.out_channels)), copy=False)
     elif result.dtype != np.float32:
         result = result.astype(np.float32)
     return dataclasses.replace(run, result=result)
@@ -224,7 +225,9 @@ def _output_layout(spec: Any, plan: RunPlan) -> tuple[tuple[int, ...], np.dtype[
     """Shape and dtype of :meth:`models.Model.execute`'s result for ``plan``."""
     spatial = tuple(plan.grid.out_shape)
     if plan.output == "labels":
-        return spatial, np.dtype(np.uint8)
+        from models.preprocess import label_dtype
+
+        return spatial, label_dtype(int(spec.out_channels))
     dtype = np.float16 if spec.output_dtype == "float16" else np.float32
     return (int(spec.out_channels), *spatial), np.dtype(dtype)
 
