@@ -1,7 +1,7 @@
 """More than 255 classes (issue 23 item 7): labels keep their ids (uint16 up to 65,536 classes,
 uint32 beyond); PNG holds 16-bit labels and refuses wider ones by name; NIfTI and TIFF hold them.
 
-The pieces a labels run goes through: the tiled pass's reduce (argmax), mapping back to the input
+A TorchScript 1x1x1 conv of 300 and 70,000 output channels end to end, and the pieces a labels run goes through: the tiled pass's reduce (argmax), mapping back to the input
 grid (:func:`models.resample.from_model_labels`) and the encoders; read back by nibabel, Pillow
 and tifffile. Label 264 came back as 8 before.
 """
@@ -71,3 +71,35 @@ def test_encoders_hold_or_refuse_wide_labels(tmp_path: Path, rng: np.random.Gene
     big = rng.integers(0, 70_000, size=(3, 4, 5)).astype(np.uint32)
     encode(vol3, big, "nii.gz", tmp_path / "l.nii.gz")
     np.testing.assert_array_equal(np.asarray(nib.load(tmp_path / "l.nii.gz").dataobj), big)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.*is deprecated:DeprecationWarning")
+@pytest.mark.parametrize(("n_classes", "dtype"), [(300, np.uint16), (70_000, np.uint32)])
+def test_a_torchscript_model_of_many_classes_end_to_end(tmp_path: Path, n_classes: int, dtype: type) -> None:
+    """A 1x1x1 TorchScript conv with ``n_classes`` outputs in a temporary models folder, through
+    :func:`service.pipeline.run_file` to NIfTI: positive voxels are the top class, negative 0."""
+    import hashlib
+
+    from models import ModelRepository, parse_params
+    from service.pipeline import run_file
+
+    conv = torch.nn.Conv3d(1, n_classes, 1)
+    with torch.no_grad():
+        conv.weight.zero_()
+        conv.bias.zero_()
+        conv.weight[:, 0, 0, 0, 0] = torch.linspace(-1, 1, n_classes)
+    torch.jit.trace(conv, torch.zeros(1, 1, 2, 2, 2)).save(str(tmp_path / "wide.pt"))
+    sha = hashlib.sha256((tmp_path / "wide.pt").read_bytes()).hexdigest()
+    (tmp_path / "wide.yaml").write_text(
+        f'name: wide\nbackend: torchscript\nfile: wide.pt\nsha256: "{sha}"\nspatial_dims: 3\n'
+        f"in_channels: 1\nout_channels: {n_classes}\nreceptive_field: 1\n"
+        "output: {activation: softmax, kind: labels, dtype: float32}\n"
+        "defaults: {tile: 16, halo: 0, overlap: 0, blend: constant, batch_size: 1}\n"
+    )
+    x = np.where(np.arange(5 * 6 * 7).reshape(5, 6, 7) % 3 == 0, 1.0, -1.0).astype(np.float32)
+    nib.save(nib.Nifti1Image(x, np.eye(4)), tmp_path / "in.nii.gz")
+    model = ModelRepository(str(tmp_path), device="cpu").get("wide")
+    result = run_file(model, tmp_path / "in.nii.gz", tmp_path / "out", parse_params({}))
+    out = np.asarray(nib.load(result.path).dataobj)
+    assert out.dtype == dtype and result.output_dtype == np.dtype(dtype).name
+    np.testing.assert_array_equal(out, np.where(x > 0, n_classes - 1, 0))
