@@ -1,9 +1,10 @@
 """More than 255 classes (issue 23 item 7): labels keep their ids (uint16 up to 65,536 classes,
 uint32 beyond); PNG holds 16-bit labels and refuses wider ones by name; NIfTI and TIFF hold them.
 
-A TorchScript 1x1x1 conv of 300 and 70,000 output channels end to end, and the pieces a labels run goes through: the tiled pass's reduce (argmax), mapping back to the input
-grid (:func:`models.resample.from_model_labels`) and the encoders; read back by nibabel, Pillow
-and tifffile. Label 264 came back as 8 before.
+A TorchScript 1x1x1 conv of 300 and 70,000 output channels end to end, and the pieces a labels run
+goes through: the tiled pass's reduce (argmax), mapping back to the input grid
+(:func:`models.resample.from_model_labels`) and the encoders; read back by nibabel, Pillow and
+tifffile. Label 264 came back as 8 before.
 """
 
 from __future__ import annotations
