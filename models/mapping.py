@@ -170,7 +170,7 @@ class GridMapping:
         if self.frame is None or self.box is None:
             return from_model_labels(pred, self.geometry, activation=activation)
         inside = from_model_labels(pred, self.frame, activation=activation)
-        out = np.zeros(self.geometry.spatial_shape, dtype=np.uint8)
+        out = np.zeros(self.geometry.spatial_shape, dtype=inside.dtype)
         _oriented(out[None], self.geometry.ornt)[0][self.box] = inside
         return out
 

@@ -29,6 +29,7 @@ from models.planner import default_memory_budget, given_halo_rule, size_plan
 from models.preprocess import preprocess
 from models.receptive import HaloCalibration
 from models.seams import SeamPolicy
+from models.sizing import WORK_TARGET
 from models.spec import ModelSpec
 from tiling import Resume, SeamStats
 from tiling.geometry import as_ints
@@ -226,6 +227,14 @@ class Model:
             output_on_disk=output_on_disk,
         )
         warning = self.seams.halo_warning(sized.grid, sized.halo) if source == "given" else None
+        given_tile = "tile" in given and params is not None and params.tile is not None
+        if given_tile and sized.tile_source != "given":  # a given tile is a limit, or we say why not
+            grown = (
+                f"tile={','.join(map(str, tile))} grown to {','.join(map(str, sized.grid.used_tile_shape))}: "
+                f"with halo=auto ({','.join(map(str, sized.halo))}) the given tile fed more than "
+                f"{WORK_TARGET} voxels through the network per input voxel (give a halo to keep the tile)"
+            )
+            warning = grown if warning is None else f"{warning}; {grown}"
         if sized.budget_unmet is not None:
             budget, peak = sized.budget_unmet
             unmet = (

@@ -81,7 +81,9 @@ class RunPlan:
         """The ``X-Tilewise-Plan`` header value.
 
         E.g. ``tile=96,96,96; halo=8,8,8; overlap=0,0,0; tiles=27; work=1.49``: the tile fed to the
-        network, the halo and overlap per axis, the tile count and :attr:`work`.
+        network, the halo and overlap per axis, the tile count (every pass) and :attr:`work`. With
+        ``tta=mirror`` it ends in ``; passes=8`` (the grid of ``tiles / passes`` tiles ran once per
+        flip), so a given tile's grid is seen to be the grid of the same request without TTA.
         """
 
         def axes(values: tuple[int, ...]) -> str:
@@ -90,4 +92,5 @@ class RunPlan:
         return (
             f"tile={axes(self.grid.used_tile_shape)}; halo={axes(self.halo)}; "
             f"overlap={axes(self.overlap)}; tiles={self.n_tiles}; work={self.work:.2f}"
+            + (f"; passes={len(self.flips)}" if len(self.flips) > 1 else "")
         )

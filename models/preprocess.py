@@ -2,6 +2,12 @@
 
 Statistics such as z-score or percentiles are computed over the whole image, never per tile, so
 that every tile sees the same normalization and the tiled result equals the whole-image one.
+
+Non-finite input voxels (NaN, +-inf): every statistic ignores them (mean, std, percentiles, min and
+max over the finite voxels only), and after the steps each voxel that is not finite is set to 0 (as
+``np.nan_to_num(nan=0, posinf=0, neginf=0)``, nnU-Net's and MONAI's usual stand-in: the image's mean
+after a z-score), so a bad voxel changes the output only within the receptive field around it. The
+service counts them in ``X-Tilewise-Warning`` (:func:`count_nonfinite`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from models.spec import ModelSpec, PreprocessStep
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Reduce", "make_reduce", "preprocess"]
+__all__ = ["Reduce", "count_nonfinite", "label_dtype", "make_reduce", "preprocess"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +75,8 @@ def _per_channel(value: Any, n_channels: int, what: str) -> npt.NDArray[np.float
 
 def _zscore(x: npt.NDArray[np.float32], nonzero: bool) -> npt.NDArray[np.float32]:
     """``(x - mean) / std`` over the whole array (or its non-zero voxels only, the rest kept)."""
-    mask = x != 0 if nonzero else None
+    finite = np.isfinite(x)
+    mask = (x != 0) & finite if nonzero else (None if finite.all() else finite)
     values = x[mask] if mask is not None else x
     if values.size == 0:
         return x
@@ -80,6 +87,8 @@ def _zscore(x: npt.NDArray[np.float32], nonzero: bool) -> npt.NDArray[np.float32
         return scaled
     out = x.copy()
     out[mask] = scaled
+    if not nonzero:
+        out[~mask] = 0.0  # non-finite: the mean
     return out
 
 
@@ -121,7 +130,11 @@ def _apply(step: PreprocessStep, x: npt.NDArray[Any], spec: ModelSpec) -> npt.ND
         y = (xf - a_min) / (a_max - a_min) * (b_max - b_min) + b_min
         return (np.clip(y, b_min, b_max) if p["clip"] else y).astype(np.float32)
     if kind == "percentile":
-        lo, hi = (float(v) for v in np.percentile(xf, [float(p["lo"]), float(p["hi"])]))
+        finite = xf[np.isfinite(xf)]
+        lo, hi = (
+            float(v)
+            for v in np.percentile(finite if finite.size else [0.0], [float(p["lo"]), float(p["hi"])])
+        )
         span = hi - lo if hi > lo else 1.0
         scaled: npt.NDArray[np.float32] = np.clip((xf - lo) / span, 0.0, 1.0).astype(np.float32)
         return scaled
@@ -156,6 +169,8 @@ def preprocess(data: npt.NDArray[Any], spec: ModelSpec) -> npt.NDArray[np.float3
         )
     if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
         raise InputError(f"model {spec.name!r} takes numeric data, got dtype {x.dtype}")
+    if np.issubdtype(x.dtype, np.floating) and np.isinf(x).any():
+        x = np.where(np.isinf(x), np.nan, x)  # NaN passes every step unchanged (a clip turns inf finite)
     for step in spec.preprocess:
         x = _apply(step, x, spec)
     if x.shape[0] != spec.in_channels:
@@ -163,7 +178,20 @@ def preprocess(data: npt.NDArray[Any], spec: ModelSpec) -> npt.NDArray[np.float3
             f"model {spec.name!r} takes {spec.in_channels} channel(s), got {x.shape[0]} "
             f"(input shape {tuple(np.shape(data))})"
         )
-    return np.ascontiguousarray(x, dtype=np.float32)
+    out = np.ascontiguousarray(x, dtype=np.float32)
+    bad = ~np.isfinite(out)
+    if bad.any():  # the module docstring: non-finite voxels become 0 after the steps
+        out = out.copy() if np.shares_memory(out, data) else out
+        out[bad] = 0.0
+    return out
+
+
+def count_nonfinite(data: npt.NDArray[Any]) -> int:
+    """Voxels (times channels) of ``data`` that are NaN or infinite (0 for integer data)."""
+    x = np.asarray(data)
+    if not np.issubdtype(x.dtype, np.floating):
+        return 0
+    return int(x.size - np.count_nonzero(np.isfinite(x)))
 
 
 def make_reduce(
@@ -208,4 +236,13 @@ class Reduce:
             return y
         if y.shape[0] == 1:
             return (y > self.threshold).to(torch.uint8)
-        return torch.argmax(y, dim=0, keepdim=True).to(torch.uint8)
+        labels = torch.argmax(y, dim=0, keepdim=True)  # int64
+        return labels.to(torch.uint8) if y.shape[0] <= 256 else labels.to(torch.int32)  # >255 classes kept
+
+
+def label_dtype(n_classes: int) -> np.dtype[Any]:
+    """The smallest unsigned dtype holding labels ``0 .. n_classes - 1``: uint8 up to 256 classes,
+    uint16 up to 65,536, else uint32 (encoders refuse by name what their format cannot hold)."""
+    if n_classes <= 256:
+        return np.dtype(np.uint8)
+    return np.dtype(np.uint16) if n_classes <= 65_536 else np.dtype(np.uint32)

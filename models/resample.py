@@ -82,6 +82,8 @@ def to_model(volume: npt.ArrayLike, plan: GeometryPlan) -> npt.NDArray[np.float3
     if plan.reorients:
         x = _oriented(x, plan.ornt)
     x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.strides and min(x.strides) < 0:  # a flipped axis of one voxel keeps its negative stride
+        x = x.copy()
     if not plan.resamples:
         return x
     with torch.inference_mode():
@@ -143,7 +145,10 @@ def _resample_back(
     with torch.inference_mode():
         for start in range(0, r0, rows):
             stop = min(start + rows, r0)
-            lo, hi = int(i0[start]), int(i1[stop - 1]) + 1
+            if m0 != r0:  # the source rows that bracket rows start:stop
+                lo, hi = int(i0[start]), int(i1[stop - 1]) + 1
+            else:  # the same rows (i1 = i0 + 1 would add one row, and the slab one row too many)
+                lo, hi = start, stop
             part = pred[:, lo:hi]
             if part.dtype != np.float32 or not part.flags.writeable or min(part.strides) < 0:
                 part = np.array(part, dtype=np.float32)  # torch views only writable, forward-strided memory
@@ -234,11 +239,11 @@ def from_model_labels(
         max_slab_bytes: bound on the scratch memory of one slab (see :meth:`GeometryPlan.slab_bytes`).
 
     Returns:
-        ``(*S)`` uint8 labels: argmax over channels, or ``p > threshold`` for one channel.
+        ``(*S)`` labels: argmax over channels, or ``p > threshold`` for one channel; uint8 up to 256
+        channels, uint16 up to 65,536, else uint32.
 
     Raises:
-        GeometryError: ``pred``'s spatial shape is not ``plan.model_shape``; unknown ``activation``;
-            more than 256 channels (labels would not fit uint8).
+        GeometryError: ``pred``'s spatial shape is not ``plan.model_shape``; unknown ``activation``.
 
     Notes:
         Peak memory is ``pred`` + ``prod(S)`` bytes of labels + one slab of at most
@@ -265,17 +270,16 @@ def from_model_labels(
     p = np.asarray(pred)
     _check_pred(p, plan, activation, max_slab_bytes)
     n_out = int(p.shape[0])
-    if n_out > 256:
-        raise _fail(f"pred has {n_out} channels; uint8 labels hold at most 256 classes")
-    out = np.empty(plan.spatial_shape, dtype=np.uint8)
+    dtype = np.uint8 if n_out <= 256 else np.uint16 if n_out <= 65_536 else np.uint32
+    out = np.empty(plan.spatial_shape, dtype=dtype)
     view = _oriented(out[None], plan.ornt)[0]
 
     def write(start: int, stop: int, slab: torch.Tensor) -> None:
         if n_out == 1:
             labels = (slab[:, 0] > threshold).to(torch.uint8)
         else:
-            labels = torch.argmax(slab, dim=1).to(torch.uint8)
-        view[start:stop] = labels.numpy()
+            labels = torch.argmax(slab, dim=1)
+        view[start:stop] = labels.numpy()  # cast to out's dtype (uint8, uint16 or uint32)
 
     rows = _resample_back(p, plan, activation, write, max_slab_bytes)
     logger.debug("labels back to %s in slabs of %d rows", plan.spatial_shape, rows)

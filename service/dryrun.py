@@ -10,7 +10,8 @@ answer the same object, from the file's header alone (nothing is decoded)::
 
 ``tile`` is the tile fed to the network; ``peak_bytes`` the request's predicted peak memory (the
 decoded input included; :func:`models.cost.peak_bytes` from the footprint measured at warm-up);
-``eta_s`` the predicted network time (the throughput measured at warm-up). Beyond the design's keys:
+``eta_s`` the predicted network time (the throughput measured at warm-up); ``tiles`` counts every
+``tta`` pass (``passes``: 1, or 2**axes with ``tta=mirror``). Beyond the design's keys:
 ``tile_source`` and ``halo_source`` (where they came from), ``memory_budget``, ``footprint`` (the
 measured figures), ``over_budget`` (``null``, or why the server would refuse the request) and
 ``streamed`` (whether the input is read by region and the output written as it finishes,
@@ -80,6 +81,7 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
         "peak_bytes": int(peak),
         "eta_s": round(network_seconds(plan, footprint), 3),
         "tta": plan.tta.value,
+        "passes": len(plan.flips),
         "tile_dependent": bool(spec.tile_dependent),
         "tile_source": plan.tile_source,
         "halo_source": plan.halo_source,

@@ -141,4 +141,4 @@ class JobStateError(ServiceError):
 
 
 class IdempotencyKeyReusedError(JobStateError):
-    """An ``Idempotency-Key`` already names a job with another model or other parameters."""
+    """An ``Idempotency-Key`` already names a job with another model, other parameters or another body."""

@@ -197,6 +197,7 @@ def run_volume(
         ``plan`` the plan that ran (on the model grid), its ``seam`` the measured seam or ``None``.
     """
     from models.mapping import run_mapped
+    from models.preprocess import label_dtype
 
     spec = model.spec
     data, dropped = fit_to_model(volume, spec)
@@ -229,7 +230,7 @@ def run_volume(
     if dropped:
         result = result[..., None]
     if run.plan.output == "labels":
-        result = result.astype(np.uint8, copy=False)
+        result = result.astype(label_dtype(int(spec.out_channels)), copy=False)
     elif result.dtype != np.float32:
         result = result.astype(np.float32)
     return dataclasses.replace(run, result=result)
@@ -239,7 +240,9 @@ def _output_layout(spec: Any, plan: RunPlan) -> tuple[tuple[int, ...], np.dtype[
     """Shape and dtype of :meth:`models.Model.execute`'s result for ``plan``."""
     spatial = tuple(plan.grid.out_shape)
     if plan.output == "labels":
-        return spatial, np.dtype(np.uint8)
+        from models.preprocess import label_dtype
+
+        return spatial, label_dtype(int(spec.out_channels))
     dtype = np.float16 if spec.output_dtype == "float16" else np.float32
     return (int(spec.out_channels), *spatial), np.dtype(dtype)
 
@@ -309,6 +312,14 @@ def run_file(
         from service.writers import output_dtype, to_output_dtype
 
         array = to_output_dtype(array, output_dtype(params, False))
+    from models.preprocess import count_nonfinite
+
+    bad = count_nonfinite(volume.data)
+    if bad:  # replaced by 0 after preprocessing (models.preprocess)
+        nonfinite = f"{bad} non-finite input voxel(s) (NaN or inf) were replaced by 0 after preprocessing"
+        plan = dataclasses.replace(
+            plan, warning=nonfinite if not plan.warning else f"{plan.warning}; {nonfinite}"
+        )
     if plan.warning:
         logger.warning("model %s: %s", spec.name, plan.warning)
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])

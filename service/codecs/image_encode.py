@@ -65,9 +65,10 @@ def encode_png(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
     """Write a 2D output as PNG.
 
     uint8 labels with one channel become a palette PNG (mode ``P``: values are the label ids,
-    :data:`LABEL_PALETTE` their colours); with three, an 8-bit RGB PNG. Float values: one channel
-    becomes a 16-bit grey PNG (values in [0, 1] scaled to 0..65535, others rounded and clipped to
-    0..65535); three channels an 8-bit RGB PNG (0..1 scaled to 0..255).
+    :data:`LABEL_PALETTE` their colours); uint16 labels (257 to 65,536 classes) a 16-bit grey PNG
+    of the ids; wider labels are refused by name. With three channels, an 8-bit RGB PNG. Float
+    values: one channel becomes a 16-bit grey PNG (values in [0, 1] scaled to 0..65535, others
+    rounded and clipped to 0..65535); three channels an 8-bit RGB PNG (0..1 scaled to 0..255).
 
     Raises:
         BadParameterError: a 3D output, or a channel count PNG cannot hold.
@@ -78,6 +79,13 @@ def encode_png(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
         raise BadParameterError(f"format=png needs a 2D output, got spatial shape {planar.shape[1:]}")
     if planar.dtype == np.uint8 and channels == 1:
         image = label_image(planar[0])
+    elif planar.dtype == np.uint16 and channels == 1:  # labels of 257 to 65,536 classes: 16-bit grey
+        image = Image.fromarray(np.ascontiguousarray(planar[0]))
+    elif planar.dtype.kind in "ui" and planar.dtype.itemsize > 2:
+        raise BadParameterError(
+            f"format=png holds labels up to 65535 (16-bit); this output has {planar.dtype} labels "
+            "(more than 65,536 classes): use tiff or nii.gz"
+        )
     elif planar.dtype == np.uint8 and channels == 3:
         image = Image.fromarray(np.ascontiguousarray(np.moveaxis(planar, 0, -1)))
     elif channels == 1:

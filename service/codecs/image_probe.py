@@ -165,13 +165,41 @@ def _tiff_layout(axes: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], in
     return spatial, channels, keep, channel
 
 
+#: tifffile flags of formats whose extra series are known extras (slide pyramids, labels, macros).
+_MULTI_SERIES_FORMATS = ("is_svs", "is_ndpi", "is_scn", "is_ome", "is_philips", "is_bif", "is_qpi")
+
+
+def _check_one_series(tif: tifffile.TiffFile) -> None:
+    """Refuse a plain TIFF whose pages make several images (pages that differ in shape or type):
+    only the first would be read, the others silently dropped.
+
+    Raises:
+        UnusableInputError: more than one series in a TIFF that is not a slide or OME format.
+    """
+    if len(tif.series) < 2 or any(getattr(tif, flag, False) for flag in _MULTI_SERIES_FORMATS):
+        return
+    shapes = [tuple(int(n) for n in s.shape) for s in tif.series[:4]]
+    more = f" and {len(tif.series) - 4} more" if len(tif.series) > 4 else ""
+    raise UnusableInputError(
+        f"TIFF of {len(tif.pages)} pages holds {len(tif.series)} images of shapes "
+        f"{', '.join(map(str, shapes))}{more}; tilewise reads one image, or one volume of pages of one "
+        "shape and type: split the file"
+    )
+
+
 def _probe_tiff(path: Path) -> Probe:
     with _malformed("TIFF"), tifffile.TiffFile(path) as tif:
         series = tif.series[0]
         axes, shape = series.axes, tuple(int(n) for n in series.shape)
         dtype = np.dtype(series.dtype)
         single_page = len(tif.pages) == 1
+        _check_one_series(tif)
     spatial, channels, _, _ = _tiff_layout(axes, shape)
+    if min(spatial) < 2:
+        raise UnusableInputError(
+            f"TIFF of shape {shape} (axes {axes!r}) is a {'x'.join(map(str, spatial))} image: an image needs "
+            "at least 2 pixels per axis (1x1 pages are not stacked into a column)"
+        )
     nbytes = math.prod(shape) * dtype.itemsize
     info = {"reader": "tifffile", "axes": axes, "shape": shape}
     if single_page and len(spatial) == 2 and dtype in (np.dtype(np.uint8), np.dtype(bool)):

@@ -40,6 +40,12 @@ __all__ = ["decode_nifti", "encode_nifti", "probe_nifti"]
 logger = logging.getLogger(__name__)
 
 # Errors nibabel, gzip and numpy raise on corrupt or truncated files.
+#: Bytes read past the voxels of a ``.nii.gz`` to reach its trailer (CRC-32 and length) and check it.
+_MAX_TRAILING_BYTES = 64 << 20
+
+#: Voxel sizes (mm) outside this range are refused as implausible (a 1e-6 mm voxel is a broken header).
+PLAUSIBLE_VOXEL_MM = (1e-4, 1e5)
+
 _READ_ERRORS = (OSError, EOFError, ValueError, zlib.error, nib.spatialimages.HeaderDataError)
 
 #: NIfTI ``datatype`` codes of the real-valued sample types tilewise reads.
@@ -176,6 +182,8 @@ def _probe(path: Path, sniffed: Sniffed) -> tuple[Probe, Any, int]:
     except _READ_ERRORS as exc:
         raise DecodeError(f"corrupt or truncated NIfTI-{sniffed.nifti_version} header: {exc}") from exc
     spatial, channels = _layout(shape)
+    affine = _best_affine(header)
+    _check_spacing(affine, len(spatial))
     slope, inter = _slope_inter(header)
     scaled = (slope, inter) != (1.0, 0.0)
     dtype = np.dtype(np.float32) if scaled or stored.kind == "f" else stored.newbyteorder("=")
@@ -189,10 +197,29 @@ def _probe(path: Path, sniffed: Sniffed) -> tuple[Probe, Any, int]:
             "nifti_version": sniffed.nifti_version,
             "shape": shape,
             "stored_dtype": str(stored),
-            "affine": _best_affine(header),
+            "affine": affine,
         },
     )
     return probe, header, offset
+
+
+def _check_spacing(affine: np.ndarray | None, spatial_dims: int) -> None:
+    """Refuse voxel sizes (the affine's column lengths, mm) outside :data:`PLAUSIBLE_VOXEL_MM`.
+
+    Raises:
+        UnusableInputError: a non-zero size outside the range, or a non-finite one (422).
+    """
+    if affine is None:
+        return
+    zooms = np.sqrt((np.asarray(affine, dtype=np.float64)[:3, :spatial_dims] ** 2).sum(axis=0))
+    lo, hi = PLAUSIBLE_VOXEL_MM
+    known = zooms[zooms != 0]  # 0: no size given (geometry says so where a model needs one)
+    if not (np.isfinite(known).all() and ((known >= lo) & (known <= hi)).all()):
+        shown = ", ".join(f"{z:g}" for z in zooms)
+        raise UnusableInputError(
+            f"implausible voxel size ({shown}) mm: expected {lo:g} to {hi:g} mm per axis "
+            "(check pixdim and the sform/qform of the header)"
+        )
 
 
 def _best_affine(header: Any) -> np.ndarray | None:
@@ -270,6 +297,10 @@ def decode_nifti(
                     raise DecodeError("truncated NIfTI: the file ends before its voxels start")
                 skip -= len(chunk)
             raw = _read_voxels(fh, voxel_bytes)
+            if sniffed.gzipped:  # read to the end: gzip checks the CRC and length of its trailer there
+                trailing = 0
+                while trailing <= _MAX_TRAILING_BYTES and (chunk := fh.read(_READ_CHUNK)):
+                    trailing += len(chunk)
     except DecodeError:
         raise
     except _READ_ERRORS as exc:
@@ -337,8 +368,8 @@ def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
     """Write ``array`` (the model output on ``volume``'s grid) as NIfTI; the suffix picks gzip.
 
     A NIfTI input's header is copied (geometry bit-identical, ``pixdim`` included; data type from
-    ``array``, scaling reset, display range cleared). Other inputs get an identity affine with
-    both codes 0.
+    ``array``, scaling reset, display range cleared, ``vox_offset`` recomputed). Other inputs get an
+    identity affine with both codes 0.
     """
     if volume.kind != "nifti" or volume.header is None:
         out = _channels_last(array, volume.spatial_dims)
@@ -348,6 +379,7 @@ def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
     header = volume.header.copy()
     header.set_data_dtype(out.dtype)
     header.set_slope_inter(1.0, 0.0)  # written as "no scaling" (NaN) for float and uint8 output
+    header["vox_offset"] = 0  # not the input's (100 is inside the header): 0 lets nibabel place the data
     header["cal_min"] = 0.0
     header["cal_max"] = 0.0
     image = _image_class(int(volume.info.get("nifti_version", 1)))(out, None, header=header)

@@ -10,7 +10,7 @@ Layout (every name is made here; a client's string never becomes a path: ids are
                     lease.<n>       the owner's lease, generation n (:mod:`service.jobs.lease`)
                     cancel          present once a DELETE asked for cancellation
     <root>/active/<id>              one empty file per job not finished yet (what replicas scan)
-    <root>/keys/<sha256 of key>     the id of the job an Idempotency-Key made
+    <root>/keys/<sha256 of key>     the id of the job an Idempotency-Key made, and its body's sha256
     <root>/index                    one line per event: created (id, time, owner), finished (id,
                                     time, bytes kept), removed (id); see :mod:`service.jobs.index`
 
@@ -230,14 +230,28 @@ class JobStore:
 
     def find_key(self, key_hash: str) -> str | None:
         """The id of the job made with this key, if it still exists."""
+        found = self._read_key(key_hash)
+        return found[0] if found is not None else None
+
+    def key_digest(self, key_hash: str) -> str | None:
+        """The SHA-256 (hex) of the body the key's job was made from; ``None`` if not recorded."""
+        found = self._read_key(key_hash)
+        return found[1] if found is not None else None
+
+    def _read_key(self, key_hash: str) -> tuple[str, str | None] | None:
         try:
-            job_id = (self.keys / key_hash).read_text().strip()
+            words = (self.keys / key_hash).read_text().split()
         except FileNotFoundError:
             return None
-        return job_id if ID_RE.fullmatch(job_id) and self.exists(job_id) else None
+        if not words or not ID_RE.fullmatch(words[0]) or not self.exists(words[0]):
+            return None
+        return words[0], words[1] if len(words) > 1 else None
 
-    def bind_key(self, key_hash: str, job_id: str) -> str:
+    def bind_key(self, key_hash: str, job_id: str, digest: str | None = None) -> str:
         """Make the key name ``job_id`` unless it names a job already; returns the id it names.
+
+        ``digest``: the SHA-256 of the job's body, kept with the key (a retry with the same key
+        and another file is refused by comparing it; :meth:`key_digest`).
 
         Atomic across replicas: the key file appears whole (``os.link`` of a finished temporary
         file, which fails when the name exists), so two submissions with one key make one job.
@@ -245,7 +259,7 @@ class JobStore:
         self.keys.mkdir(parents=True, exist_ok=True)
         target = self.keys / key_hash
         tmp = self.keys / f".{key_hash}.{secrets.token_hex(4)}.tmp"
-        tmp.write_text(job_id)
+        tmp.write_text(job_id if digest is None else f"{job_id}\n{digest}\n")
         try:
             for _ in range(3):
                 try:

@@ -11,6 +11,7 @@ place in the device queue (503 when full).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import re
 import shutil
@@ -111,6 +112,24 @@ def _same_job(
     return record
 
 
+def _same_body(store: Any, job_id: str, key_hash: str, digest: str) -> None:
+    """Refuse a retry whose body is not the one the key's job was made from (its SHA-256)."""
+    first = store.key_digest(key_hash)
+    if first is not None and first != digest:
+        raise IdempotencyKeyReusedError(
+            f"Idempotency-Key names job {job_id}, made from a body of sha256 {first[:16]}...; this "
+            f"request's body has sha256 {digest[:16]}... (a new file needs a new key)"
+        )
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _parse(request: Request, repository: Any) -> tuple[str, InferenceParams]:
     items = request.query_params.multi_items()
     names = [value for key, value in items if key == "model"]
@@ -130,7 +149,8 @@ _SUBMIT_OPENAPI = {
             "name": "Idempotency-Key",
             "in": "header",
             "required": False,
-            "description": "A retried submission with the same key returns the same job.",
+            "description": "A retried submission with the same key (same model, parameters and body) "
+            "returns the same job; another body or parameters: 409.",
             "schema": {"type": "string", "maxLength": 255},
         },
     ],
@@ -159,7 +179,7 @@ _SUBMIT_OPENAPI = {
         202: {"description": "The job (`Location: /v1/jobs/{id}`).", "content": {"application/json": {}}},
         400: error_doc("bad_parameter", "Missing model, invalid parameter or key, or an empty body."),
         404: error_doc("unknown_model", "No model of this name."),
-        409: error_doc("idempotency_key_reused", "The key names a job of another model or parameters."),
+        409: error_doc("idempotency_key_reused", "The key names a job of another model, parameters or body."),
         408: error_doc("upload_timeout", "The upload stalled, or arrived below the minimum rate."),
         413: error_doc("payload_too_large", "Upload, image or plan over the limits."),
         415: error_doc("unsupported_media_type", "Not a format tilewise reads (by content)."),
@@ -192,17 +212,16 @@ async def submit_job(
     query = params.to_query()
     key = request.headers.get("idempotency-key")
     key_hash = None
+    retried: JobRecord | None = None
     if key is not None:
         if not _KEY_RE.match(key):
             raise BadParameterError("Idempotency-Key must be 1 to 255 visible ASCII characters")
         key_hash = store.key_hash(key, principal.name)
-        existing = await anyio.to_thread.run_sync(store.find_key, key_hash)
-        if existing is not None:  # a retry: the body is not read
-            return _accepted(
-                await anyio.to_thread.run_sync(_same_job, service, existing, label, query, principal)
-            )
+        found = await anyio.to_thread.run_sync(store.find_key, key_hash)
+        if found is not None:  # a retry: same model and parameters, then (once read) same body
+            retried = await anyio.to_thread.run_sync(_same_job, service, found, label, query, principal)
     client = client_of(request)  # its share of the queue and of the upload slots
-    if not executor.has_room_for(client):
+    if retried is None and not executor.has_room_for(client):
         raise executor.full_error() if executor.has_room() else executor.client_full_error()
     folder: Path | None = None
     slot: Slot | None = None
@@ -216,6 +235,12 @@ async def submit_job(
                 request, job_folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
             )
         metrics.bytes_in.inc(n_bytes)
+        digest = None
+        if key_hash is not None:
+            digest = await anyio.to_thread.run_sync(_file_sha256, job_folder / INPUT_FILE)
+            if retried is not None:
+                await anyio.to_thread.run_sync(_same_body, store, retried.id, key_hash, digest)
+                return _accepted(retried)
         limits = Limits.from_settings(settings)
         await anyio.to_thread.run_sync(admit, repository, label, source, params, limits)
         slot = executor.reserve(client)
@@ -223,14 +248,15 @@ async def submit_job(
             service.create, job_id, label, query, key_hash, principal.name
         )
         if key_hash is not None:
-            bound = await anyio.to_thread.run_sync(store.bind_key, key_hash, job_id)
+            bound = await anyio.to_thread.run_sync(store.bind_key, key_hash, job_id, digest)
             if bound != job_id:  # a concurrent submission with this key made the job first
                 lease.release()
                 await anyio.to_thread.run_sync(store.remove, job_id)
                 folder = None
-                return _accepted(
-                    await anyio.to_thread.run_sync(_same_job, service, bound, label, query, principal)
-                )
+                same = await anyio.to_thread.run_sync(_same_job, service, bound, label, query, principal)
+                assert digest is not None
+                await anyio.to_thread.run_sync(_same_body, store, bound, key_hash, digest)
+                return _accepted(same)
         service.enqueue(lease, slot)
         folder = None
         logger.info("request %s: job %s queued model=%s", current_request_id(), job_id, label)

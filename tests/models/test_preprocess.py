@@ -90,7 +90,7 @@ def test_float_unit_range_keeps_unit_data_and_ignores_non_finite() -> None:
     np.testing.assert_array_equal(preprocess(x, _spec(["unit_range"]))[0, 0], x[0, 0])
     y = np.array([[[np.nan, 2.0, 6.0]]], dtype=np.float32)
     got = preprocess(y, _spec(["unit_range"]))[0, 0]
-    assert np.isnan(got[0]) and got[1:].tolist() == [0.0, 1.0]
+    assert got[0] == 0.0 and got[1:].tolist() == [0.0, 1.0]  # NaN: 0 after the steps (issue 23 item 3)
     flat = np.full((1, 2, 2), 7.0, dtype=np.float32)
     assert np.all(preprocess(flat, _spec(["unit_range"])) == 0.0)
 

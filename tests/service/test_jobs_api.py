@@ -136,6 +136,10 @@ def test_a_retried_submission_makes_one_job(client: httpx.Client):
     assert [j["id"] for j in client.get("/v1/jobs").json()].count(first.json()["id"]) == 1
     other = client.post(f"/v1/jobs?model={MODEL}&tile=16", content=body, headers=headers)
     assert other.status_code == 409 and other.json()["error"] == "idempotency_key_reused"
+    # issue 23 item 8: the same key, model and parameters with another file is refused too
+    changed = client.post(f"/v1/jobs?model={MODEL}", content=nifti((20, 20, 20), seed=2), headers=headers)
+    assert changed.status_code == 409 and changed.json()["error"] == "idempotency_key_reused"
+    assert "sha256" in changed.json()["detail"]
     wait_state(client, first.json()["id"], ("done",))
 
 
