@@ -43,6 +43,7 @@ from models.importers.convert import (
     WrittenModel,
     export_network,
     model_name,
+    refusing,
     write_model,
 )
 from models.importers.probe import probe_network
@@ -84,8 +85,26 @@ def _monai() -> Any:
     return getattr(monai.bundle, "ConfigParser")  # noqa: B009 (not re-exported for mypy)
 
 
-def _args(component: Any) -> tuple[str, dict[str, Any]]:
-    """A config component's class name and its arguments, the class's defaults filled in."""
+def _parsed(parser: Any, key: str, where: str) -> Any:
+    """``parser.get_parsed_content(key, instantiate=False)``, a failing expression refused by name."""
+    try:
+        return parser.get_parsed_content(key, instantiate=False)
+    except Exception as exc:  # MONAI raises what the config's expressions raise
+        cause = exc.__cause__ or exc
+        detail = " ".join(f"{type(cause).__name__}: {cause}".split())
+        raise ImportRefusedError(f"{where}: field {key!r} cannot be read: {detail}") from exc
+
+
+def _args(component: Any, what: str = "component") -> tuple[str, dict[str, Any]]:
+    """A config component's class name and its arguments, the class's defaults filled in.
+
+    Raises:
+        ImportRefusedError: ``component`` is not a component (``"$None"``, a number, a string).
+    """
+    if not hasattr(component, "resolve_module_name") or not hasattr(component, "resolve_args"):
+        raise ImportRefusedError(
+            f"{what} is {_shown(component)}, not a component (a mapping with '_target_')"
+        )
     module_name = component.resolve_module_name()
     args = dict(component.resolve_args())
     target = pydoc.locate(module_name) if isinstance(module_name, str) else None
@@ -101,15 +120,25 @@ def _args(component: Any) -> tuple[str, dict[str, Any]]:
 def _transforms(parser: Any, key: str, where: str) -> list[tuple[str, dict[str, Any]]]:
     if key not in parser.config:
         raise ImportRefusedError(f"{where}: field {key!r} is missing")
-    component = parser.get_parsed_content(key, instantiate=False)
+    component = _parsed(parser, key, where)
     config = component.get_config() if hasattr(component, "get_config") else component
     items = config.get("transforms", []) if isinstance(config, dict) else config
+    if not isinstance(items, list | tuple):
+        raise ImportRefusedError(f"{where}: field {key!r} is {_shown(items)}, not a list of transforms")
     out = []
-    for item in items:
+    for i, item in enumerate(items):
         if hasattr(item, "is_disabled") and item.is_disabled():
             continue
-        out.append(_args(item))
+        out.append(_args(item, f"{where}: {key} transform {i}"))
     return out
+
+
+def _shown(value: Any) -> str:
+    """A short description of a config value for a refusal: ``None``, ``5 (int)``, ``'x' (str)``."""
+    if value is None:
+        return "None"
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
 
 
 def _as_list(value: Any, dims: int) -> list[Any]:
@@ -120,45 +149,48 @@ def _preprocessing(steps: list[tuple[str, dict[str, Any]]], dims: int, where: st
     """Spec fields from the pre-transforms: ``orientation``, ``spacing`` and ``preprocess``."""
     out: dict[str, Any] = {"preprocess": []}
     for name, a in steps:
-        if name in _PASS:
-            if name == "CastToTyped" and "float32" not in str(a.get("dtype")):
-                raise ImportRefusedError(f"{where}: transform CastToTyped(dtype={a.get('dtype')}) not mapped")
-            continue
-        if name == "Orientationd":
-            if a.get("as_closest_canonical") or not isinstance(a.get("axcodes"), str):
-                raise ImportRefusedError(f"{where}: transform Orientationd without 'axcodes' not mapped")
-            out["orientation"] = a["axcodes"].upper()
-        elif name == "Spacingd":
-            mode = str(getattr(a.get("mode"), "value", a.get("mode"))).lower()
-            pixdim = [float(v) for v in _as_list(a.get("pixdim"), dims)]
-            if mode != "bilinear" or len(pixdim) < dims or min(pixdim) <= 0:
-                raise ImportRefusedError(
-                    f"{where}: transform Spacingd(pixdim={a.get('pixdim')}, mode={mode}) cannot be mapped "
-                    "(tilewise resamples images linearly to one positive spacing per axis)"
+        with refusing(f"{where}: transform {name}"):
+            if name in _PASS:
+                if name == "CastToTyped" and "float32" not in str(a.get("dtype")):
+                    dtype = a.get("dtype")
+                    raise ImportRefusedError(f"{where}: transform CastToTyped(dtype={dtype}) not mapped")
+                continue
+            if name == "Orientationd":
+                if a.get("as_closest_canonical") or not isinstance(a.get("axcodes"), str):
+                    raise ImportRefusedError(f"{where}: transform Orientationd without 'axcodes' not mapped")
+                out["orientation"] = a["axcodes"].upper()
+            elif name == "Spacingd":
+                mode = str(getattr(a.get("mode"), "value", a.get("mode"))).lower()
+                pixdim = [float(v) for v in _as_list(a.get("pixdim"), dims)]
+                if mode != "bilinear" or len(pixdim) < dims or min(pixdim) <= 0:
+                    raise ImportRefusedError(
+                        f"{where}: transform Spacingd(pixdim={a.get('pixdim')}, mode={mode}) cannot be "
+                        "mapped "
+                        "(tilewise resamples images linearly to one positive spacing per axis)"
+                    )
+                out["spacing"] = pixdim[:dims]
+            elif name == "ScaleIntensityRanged":
+                if a.get("b_min") is None or a.get("b_max") is None:
+                    raise ImportRefusedError(f"{where}: transform ScaleIntensityRanged needs b_min and b_max")
+                out["preprocess"].append(
+                    {
+                        "type": "scale_range",
+                        **{k: float(a[k]) for k in ("a_min", "a_max", "b_min", "b_max")},
+                        "clip": bool(a.get("clip")),
+                    }  # fmt: skip
                 )
-            out["spacing"] = pixdim[:dims]
-        elif name == "ScaleIntensityRanged":
-            if a.get("b_min") is None or a.get("b_max") is None:
-                raise ImportRefusedError(f"{where}: transform ScaleIntensityRanged needs b_min and b_max")
-            out["preprocess"].append(
-                {
-                    "type": "scale_range",
-                    **{k: float(a[k]) for k in ("a_min", "a_max", "b_min", "b_max")},
-                    "clip": bool(a.get("clip")),
-                }  # fmt: skip
-            )
-        elif name == "NormalizeIntensityd":
-            sub, div, nonzero = a.get("subtrahend"), a.get("divisor"), bool(a.get("nonzero"))
-            if sub is None and div is None:
-                step = {"type": "zscore", "channel_wise": bool(a.get("channel_wise")), "nonzero": nonzero}
-                out["preprocess"].append(step)
-            elif sub is not None and div is not None and not nonzero:
-                step = {"type": "normalize", "mean": _number_or_list(sub), "std": _number_or_list(div)}
-                out["preprocess"].append(step)
+            elif name == "NormalizeIntensityd":
+                sub, div, nonzero = a.get("subtrahend"), a.get("divisor"), bool(a.get("nonzero"))
+                if sub is None and div is None:
+                    step = {"type": "zscore", "channel_wise": bool(a.get("channel_wise")), "nonzero": nonzero}
+                    out["preprocess"].append(step)
+                elif sub is not None and div is not None and not nonzero:
+                    step = {"type": "normalize", "mean": _number_or_list(sub), "std": _number_or_list(div)}
+                    out["preprocess"].append(step)
+                else:
+                    raise ImportRefusedError(f"{where}: transform NormalizeIntensityd({a}) cannot be mapped")
             else:
-                raise ImportRefusedError(f"{where}: transform NormalizeIntensityd({a}) cannot be mapped")
-        else:
-            raise ImportRefusedError(f"{where}: pre-transform {name} cannot be mapped")
+                raise ImportRefusedError(f"{where}: pre-transform {name} cannot be mapped")
     return out
 
 
@@ -191,7 +223,7 @@ def _postprocessing(steps: list[tuple[str, dict[str, Any]]], where: str) -> dict
 def _inferer(parser: Any, where: str) -> tuple[str, dict[str, Any]]:
     if "inferer" not in parser.config:
         raise ImportRefusedError(f"{where}: field 'inferer' is missing")
-    name, a = _args(parser.get_parsed_content("inferer", instantiate=False))
+    name, a = _args(_parsed(parser, "inferer", where), f"{where}: field 'inferer'")
     if name == "SlidingWindowInferer":
         pad = str(getattr(a.get("padding_mode"), "value", a.get("padding_mode"))).lower()
         if pad != "constant" or float(a.get("cval") or 0) != 0:
@@ -242,33 +274,40 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
                           if (configs / f"inference{s}").is_file()), None)  # fmt: skip
         if inference is None:
             raise ImportRefusedError(f"{source}: no configs/inference.json or .yaml")
-        meta = json.loads((configs / "metadata.json").read_text(encoding="utf-8"))
-        parser = config_parser()
-        parser.read_meta(str(configs / "metadata.json"))
-        parser.read_config(str(inference))
-        parser["bundle_root"] = str(root)
+        with refusing(f"{source} (configs/metadata.json, {inference.name})"):
+            meta = json.loads((configs / "metadata.json").read_text(encoding="utf-8"))
+            if not isinstance(meta, dict):
+                raise ImportRefusedError(f"{source}: configs/metadata.json is {_shown(meta)}, not a mapping")
+            parser = config_parser()
+            parser.read_meta(str(configs / "metadata.json"))
+            parser.read_config(str(inference))
+            parser["bundle_root"] = str(root)
         where = f"{source} ({inference.name})"
-        inferer, inferer_args = _inferer(parser, where)
-        roi = inferer_args.get("roi_size")
-        net_def = parser.config.get("network_def")
-        hint = len(roi) if isinstance(roi, list | tuple) else None
-        if hint is None and isinstance(net_def, dict) and isinstance(net_def.get("spatial_dims"), int):
-            hint = net_def["spatial_dims"]
-        # the transforms are mapped (or refused) before the network is built and probed
-        pre = _preprocessing(_transforms(parser, "preprocessing", where), hint, where) if hint else None
-        output = _postprocessing(_transforms(parser, "postprocessing", where), where)
+        with refusing(where):
+            inferer, inferer_args = _inferer(parser, where)
+            roi = inferer_args.get("roi_size")
+            net_def = parser.config.get("network_def")
+            hint = len(roi) if isinstance(roi, list | tuple) else None
+            if hint is None and isinstance(net_def, dict) and isinstance(net_def.get("spatial_dims"), int):
+                hint = net_def["spatial_dims"]
+            # the transforms are mapped (or refused) before the network is built and probed
+            pre = _preprocessing(_transforms(parser, "preprocessing", where), hint, where) if hint else None
+            output = _postprocessing(_transforms(parser, "postprocessing", where), where)
         network = _network(parser, root, where)
-        fmt_in = meta.get("network_data_format", {})
-        image = fmt_in.get("inputs", {}).get("image", {})
-        pred = fmt_in.get("outputs", {}).get("pred", {})
+        with refusing(f"{source} (configs/metadata.json)"):
+            fmt_in = meta.get("network_data_format", {})
+            image = fmt_in.get("inputs", {}).get("image", {})
+            pred = fmt_in.get("outputs", {}).get("pred", {})
+            channels = int(image["num_channels"]) if "num_channels" in image else None
         dims = hint
-        channels = int(image["num_channels"]) if "num_channels" in image else None
         name = name or model_name(str(meta.get("name") or source.stem))
-        window = [int(v) for v in _as_list(roi, dims)] if roi is not None and dims else None
+        with refusing(f"{where}: inferer roi_size"):
+            window = [int(v) for v in _as_list(roi, dims)] if roi is not None and dims else None
         facts = probe_network(network, name=name, spatial_dims=dims, in_channels=channels, tile_shape=window)
         dims = facts.spatial_dims
         if pre is None:
-            pre = _preprocessing(_transforms(parser, "preprocessing", where), dims, where)
+            with refusing(where):
+                pre = _preprocessing(_transforms(parser, "preprocessing", where), dims, where)
         if "num_channels" in pred and int(pred["num_channels"]) != facts.out_channels:
             raise ImportRefusedError(
                 f"{where}: metadata outputs.pred.num_channels={pred['num_channels']}, the network returns "

@@ -51,6 +51,7 @@ from models.importers.convert import (
     WrittenModel,
     export_network,
     model_name,
+    refusing,
     write_model,
 )
 from models.importers.probe import probe_network
@@ -221,11 +222,16 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
     if not paths:
         raise ImportRefusedError(f"{source}: no fold_*/checkpoint_final.pth")
     checkpoints = [_checkpoint(p) for p in paths]
-    nets, config, configuration, channels, out_channels = _networks(source, plans, dataset, checkpoints)
-    patch = [int(p) for p in config.patch_size]
-    dims = len(patch)
-    order, reorient = _axis_order(plans, dims)
-    preprocess = _normalization(plans, config.configuration, channels)
+    with refusing(f"{source} (plans.json, dataset.json)"):
+        if not isinstance(plans, dict) or not isinstance(dataset, dict):
+            raise ImportRefusedError(f"{source}: plans.json and dataset.json must each hold a mapping")
+        nets, config, configuration, channels, out_channels = _networks(source, plans, dataset, checkpoints)
+        patch = [int(p) for p in config.patch_size]
+        dims = len(patch)
+        order, reorient = _axis_order(plans, dims)
+        preprocess = _normalization(plans, config.configuration, channels)
+        strides = [int(s) for s in np.prod(np.asarray(config.pool_op_kernel_sizes, dtype=np.int64), axis=0)]
+        labels = {int(v): str(k) for k, v in dataset["labels"].items() if k != "ignore"}
     core = MeanOfNets(nets).eval()
     name = name or model_name(f"{plans.get('dataset_name', source.parent.name)}-{configuration}")
     identity = order == list(range(dims))
@@ -240,8 +246,7 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         tile[axis] = patch[i]
         spacing[axis] = float(config.spacing[i])
     net = core if identity else PermuteAxes(core, order)
-    strides = np.prod(np.asarray(config.pool_op_kernel_sizes, dtype=np.int64), axis=0)
-    alignment = math.lcm(*(int(s) for s in strides))
+    alignment = math.lcm(*strides)
     facts = probe_network(
         net, name=name, spatial_dims=dims, in_channels=channels, tile_shape=tile, alignment=alignment
     )
@@ -258,7 +263,6 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         wrap=wrap,
         name=name,
     )
-    labels = {int(v): str(k) for k, v in dataset["labels"].items() if k != "ignore"}
     mapping: dict[str, Any] = {
         "name": name,
         "description": f"nnU-Net v2 {plans.get('dataset_name', '')} {configuration}, folds "
