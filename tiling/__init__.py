@@ -18,7 +18,7 @@ from tiling.errors import (
     ShapeMismatchError,
     TilingError,
 )
-from tiling.geometry import BlendMode, BorderMode, PaddingMode
+from tiling.geometry import BlendMode, BorderMode, PaddingMode, Placement
 from tiling.grid import AxisPlan, Tile, TileGrid
 from tiling.plan import (
     aligned_extent,
@@ -40,6 +40,7 @@ __all__ = [
     "CoverageError",
     "GridError",
     "PaddingMode",
+    "Placement",
     "Resume",
     "ResumePoint",
     "RunCancelledError",
