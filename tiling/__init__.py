@@ -26,6 +26,7 @@ from tiling.plan import (
     cap_halo,
     context_halo,
     fits_one_tile,
+    per_axis,
     round_up,
 )
 from tiling.resume import Resume, ResumePoint, resume_point
@@ -55,6 +56,7 @@ __all__ = [
     "context_halo",
     "fits_one_tile",
     "pad_to_fit",
+    "per_axis",
     "resume_point",
     "round_up",
     "sample_windows",
