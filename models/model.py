@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
 from models.calibration import HaloCalibrator
-from models.errors import InputError
+from models.errors import InputError, ParamError
 from models.execute import execute_plan
 from models.footprint import Footprint, footprint_of
 from models.params import Blend, InferenceParams, OutputKind
@@ -181,6 +181,12 @@ class Model:
         if len(shape) != ndim:
             raise InputError(f"model {spec.name!r} plans {ndim} spatial axes, got shape {shape}")
         assert p.tile is not None and p.overlap is not None and p.halo is not None  # spec defaults
+        if p.output == OutputKind.LABELS and spec.activation == "sigmoid" and spec.out_channels > 1:
+            raise ParamError(
+                f"output=labels: model {spec.name!r} is multi-label (a sigmoid over {spec.out_channels} "
+                "channels, a voxel may carry several labels), one label per voxel cannot say that; ask "
+                "output=probabilities (one channel per label, a label where its channel exceeds 0.5)"
+            )
         assert p.blend is not None and p.batch_size is not None and p.output is not None
         tile = as_ints(p.tile, ndim, "tile", minimum=1)
         overlap = as_ints(p.overlap, ndim, "overlap", minimum=0)

@@ -271,6 +271,12 @@ class ModelSpec(BaseModel):
             raise ValueError(f"field 'orientation' must give {ndim} axis codes, got {self.orientation!r}")
         if self.frame is not None and (len(self.frame.shape) != ndim or self.spacing is not None):
             raise ValueError(f"field 'frame' needs {ndim} sizes in 'shape', and no 'spacing' beside it")
+        multi_label = self.output.activation == Activation.SIGMOID and self.out_channels > 1
+        if multi_label and self.output.kind == OutputKind.LABELS:
+            raise ValueError(
+                f"field 'output.kind' is labels for a sigmoid over {self.out_channels} channels "
+                "(multi-label: one label per voxel cannot hold several); use probabilities"
+            )
         if isinstance(self.alignment, tuple):
             if len(self.alignment) != ndim:
                 got = list(self.alignment)

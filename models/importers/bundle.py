@@ -16,6 +16,18 @@ Read with MONAI's own ``ConfigParser`` (references and expressions resolved as M
   else ``models/model.ts``; exported wrapped in :class:`~models.importers.convert.PadToShape`
   (``roi_size``), since ``SlidingWindowInferer`` zero-pads smaller inputs, centred, to ``roi_size``.
 
+Windows (``SlidingWindowInferer``): ``padding: centred-monai`` (:class:`tiling.Placement`) places the
+image as ``sliding_window_inference`` does: an axis shorter than ``roi_size`` zero-padded to it,
+``(roi - size) // 2`` before and the rest after (not first rounded up to the alignment); for a
+tile-dependent network, windows ``int(roi * (1 - overlap))`` apart with the last one shifted back
+to the image edge, each window's whole output averaged (``mode: constant``) or weighted by a
+gaussian of sigma ``roi / 8`` (``mode: gaussian``; MONAI floors its N-D weights at 1e-3, tilewise
+its per-axis weights at 1e-6, so where every window covering a voxel is in its far tail the two
+differ). A local network keeps exact tiles (``halo: auto``) along axes longer than ``roi_size``.
+Multi-label outputs (``Activationsd(sigmoid=True)`` over several channels) are probabilities:
+``output=labels`` is refused for them by name (one label per voxel cannot hold two); an
+``AsDiscreted(threshold=0.5)`` after a sigmoid is that threshold (labels for one channel).
+
 Any other transform, or an option of these that tilewise cannot reproduce, is refused by name.
 """
 
@@ -213,6 +225,9 @@ def _postprocessing(steps: list[tuple[str, dict[str, Any]]], where: str) -> dict
         elif name == "AsDiscreted":
             if a.get("argmax") and not a.get("to_onehot") and a.get("threshold") is None:
                 output["kind"] = "labels"
+            elif (not a.get("argmax") and not a.get("to_onehot") and output["activation"] == "sigmoid"
+                  and a.get("threshold") is not None and float(a["threshold"]) == 0.5):  # fmt: skip
+                output["kind"] = "threshold"  # labels for one channel; multi-label: probabilities
             else:
                 raise ImportRefusedError(f"{where}: transform AsDiscreted({a}) cannot be mapped (argmax)")
         else:
@@ -313,6 +328,14 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
                 f"{where}: metadata outputs.pred.num_channels={pred['num_channels']}, the network returns "
                 f"{facts.out_channels} channels"
             )
+        multi_label = output["activation"] == "sigmoid" and facts.out_channels > 1
+        if output["kind"] == "threshold":
+            output["kind"] = "probabilities" if multi_label else "labels"
+        elif output["kind"] == "labels" and multi_label:
+            raise ImportRefusedError(
+                f"{where}: AsDiscreted(argmax) after a sigmoid over {facts.out_channels} channels "
+                "(multi-label) cannot be mapped: one label per voxel cannot hold two"
+            )
         roi_shape = [int(v) for v in _as_list(roi, dims)] if inferer == "SlidingWindowInferer" else None
         tile = roi_shape or [96 if dims == 3 else 256] * dims
         tile = [-(-t // facts.alignment) * facts.alignment for t in tile]
@@ -320,7 +343,9 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         if facts.tile_dependent:
             overlap = float(inferer_args.get("overlap") or 0.0)
             blend = str(inferer_args.get("mode") or "constant").lower()
-            defaults.update(halo=0, overlap=[int(round(t * overlap)) for t in tile], blend=blend)
+            # MONAI's windows lie int(roi * (1 - overlap)) apart (at least 1): the overlap keeping them so
+            voxels = [t - max(int(t * (1 - overlap)), 1) for t in tile]
+            defaults.update(halo=0, overlap=voxels, blend=blend)
         else:
             defaults.update(halo="auto", overlap=0, blend="constant")
         models_dir.mkdir(parents=True, exist_ok=True)
@@ -347,6 +372,7 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         "scale": facts.scale,
         **({"receptive_field": list(facts.receptive_field)} if facts.receptive_field else {}),
         "tile_dependent": facts.tile_dependent,
+        **({"padding": "centred-monai"} if roi_shape else {}),
         **{k: v for k, v in pre.items() if k != "preprocess"},
         "preprocess": pre["preprocess"],
         "output": output,
@@ -358,6 +384,7 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
     comment = (
         f"tilewise import-model {source.name} (MONAI bundle, {inferer})\n"
         f"{fmt} parity with the eager network: max abs difference {diff:.2g}\n"
-        f"inputs smaller than roi_size {roi_shape} are zero-padded, centred, inside the exported network"
+        f"windows placed as MONAI's sliding_window_inference places them (padding: centred-monai): "
+        f"inputs smaller than roi_size {roi_shape} are zero-padded, (roi - size) // 2 before"
     )
     return write_model(mapping, weights, models_dir, comment)
