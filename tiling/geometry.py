@@ -45,10 +45,11 @@ class Placement(str, enum.Enum):
     ``0, s, 2s, ...`` (``s = T - overlap``), the last one shifted back to end at the image edge
     (``dense_patch_slices``). ``centred-nnunet``: nnU-Net v2's predictor: the same padding
     (``pad_nd_image``), windows spread evenly, ``round(i * (L - T) / (n - 1))`` with
-    ``n = ceil((L - T) / (T - overlap)) + 1`` (``compute_steps_for_sliding_window``). With either
+    ``n = ceil((L - T) / (T - overlap)) + 1`` (``compute_steps_for_sliding_window``; ``overlap =
+    T // 2`` is its ``tile_step_size=0.5``, a target step of ``T / 2`` also for odd ``T``). With either
     centred placement every window's whole output is blended (``constant``: their mean;
-    ``gaussian``: sigma ``T / 8`` centred as the framework centres it), and an axis with a halo
-    longer than the tile keeps the ``end`` placement (exact tiles of a local network).
+    ``gaussian``: sigma ``T / 8`` centred as the framework centres it), and an axis longer than the
+    tile with a halo keeps the ``end`` placement (exact tiles of a local network).
     """
 
     END = "end"

@@ -409,13 +409,17 @@ def centred_starts(length: int, tile: int, overlap: int, placement: Placement) -
     [0, 36]
     >>> centred_starts(110, 64, 32, Placement.CENTRED_NNUNET)  # nnU-Net's own example
     [0, 23, 46]
+    >>> centred_starts(20, 13, 6, Placement.CENTRED_NNUNET)  # an odd tile: steps of 6.5 at most
+    [0, 4, 7]
     """
     step = tile - overlap
     if placement is Placement.CENTRED_MONAI:  # monai.data.utils.dense_patch_slices
         n = next(d for d in range(-(-length // step)) if d * step + tile >= length) + 1
         return [i * step - max(i * step + tile - length, 0) for i in range(n)]
-    # nnunetv2.inference.sliding_window_prediction.compute_steps_for_sliding_window
-    n = -(-(length - tile) // step) + 1
+    # nnunetv2.inference.sliding_window_prediction.compute_steps_for_sliding_window; its default
+    # tile_step_size 0.5 is overlap = tile // 2, a target step of tile / 2 (a half voxel for odd tiles)
+    target = tile / 2 if overlap == tile // 2 else step
+    n = math.ceil((length - tile) / target) + 1
     actual = (length - tile) / (n - 1)
     return [round(actual * i) for i in range(n)]
 

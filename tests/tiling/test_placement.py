@@ -72,7 +72,7 @@ def test_centred_monai_gaussian_is_monai_where_its_weights_are_not_floored(shape
 def test_centred_starts_are_nnunet_steps() -> None:
     from nnunetv2.inference.sliding_window_prediction import compute_steps_for_sliding_window
 
-    for tile, length in itertools.product((8, 20, 32, 48), range(1, 160)):
+    for tile, length in itertools.product((8, 13, 20, 25, 32, 48), range(1, 160)):
         if length <= tile:
             continue
         expected = compute_steps_for_sliding_window((length,), (tile,), 0.5)[0]
