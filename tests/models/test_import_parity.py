@@ -29,8 +29,17 @@ pytestmark = [
 ]
 
 
-def _bundle(root: Path, *, roi: tuple[int, ...], arch: dict[str, Any], norm: str, post: list[Any],
-            mode: str = "constant", overlap: float = 0.25, seed: int = 0) -> torch.nn.Module:
+def _bundle(
+    root: Path,
+    *,
+    roi: tuple[int, ...],
+    arch: dict[str, Any],
+    norm: str,
+    post: list[Any],
+    mode: str = "constant",
+    overlap: float = 0.25,
+    seed: int = 0,
+) -> torch.nn.Module:
     """The test kit's bundle with another UNet (``arch``), inferer mode and post-transforms."""
     nets = need("monai.networks.nets")
     write_monai_bundle(root, roi=roi, norm=norm, seed=seed)
@@ -103,7 +112,9 @@ def test_tile_dependent_bundle_equals_monai_sliding_window(
     _, net, model = dependent_bundle
     volume = _volume(shape, sum(shape))
     with torch.no_grad():
-        logits = sliding_window_inference(_scaled(volume), (32, 32, 32), 2, net, overlap=0.25, mode="constant")
+        logits = sliding_window_inference(
+            _scaled(volume), (32, 32, 32), 2, net, overlap=0.25, mode="constant"
+        )
     expected = torch.softmax(logits[0], 0).numpy()
     got = model.run(volume[None], parse_params({"output": "probabilities"}))
     assert got.shape == expected.shape
@@ -164,7 +175,9 @@ def test_sigmoid_bundle_equals_monai_off_and_on_the_alignment(
     assert model.spec.alignment == 8 and model.spec.output.kind.value == "probabilities"
     volume = _volume((40, 40, depth), depth)
     with torch.no_grad():  # 30 slices: MONAI pads 9 before, (48 - 30) // 2, not 8 (after 30 -> 32)
-        logits = sliding_window_inference(_scaled(volume), (48, 48, 48), 1, net, overlap=0.25, mode="gaussian")
+        logits = sliding_window_inference(
+            _scaled(volume), (48, 48, 48), 1, net, overlap=0.25, mode="gaussian"
+        )
     expected = torch.sigmoid(logits[0]).numpy()
     got = model.run(volume[None], parse_params({"output": "probabilities"}))
     assert np.abs(got - expected).max() <= 1e-4
@@ -185,7 +198,8 @@ def _nnunet_plans(strides: list[list[int]], patch: tuple[int, ...]) -> dict[str,
     arch = plans["configurations"]["3d_fullres"]["architecture"]["arch_kwargs"]
     n = len(strides)
     arch.update(n_stages=n, features_per_stage=[4, 8, 8, 8][:n], kernel_sizes=[[3, 3, 3]] * n,
-                strides=strides, n_conv_per_stage=[1] * n, n_conv_per_stage_decoder=[1] * (n - 1))  # fmt: skip
+                strides=strides, n_conv_per_stage=[1] * n,
+                n_conv_per_stage_decoder=[1] * (n - 1))  # fmt: skip
     return plans
 
 
@@ -200,8 +214,13 @@ def _float32_predictor(folder: Path, *, mirroring: bool) -> Any:
             heads = self.label_manager.num_segmentation_heads
             logits = torch.zeros((heads, *data.shape[1:]), dtype=torch.float32)
             weights = torch.zeros(data.shape[1:], dtype=torch.float32)
-            gaussian = compute_gaussian(tuple(self.configuration_manager.patch_size), sigma_scale=1.0 / 8,
-                                        value_scaling_factor=10, dtype=torch.float32, device=self.device)
+            gaussian = compute_gaussian(
+                tuple(self.configuration_manager.patch_size),
+                sigma_scale=1.0 / 8,
+                value_scaling_factor=10,
+                dtype=torch.float32,
+                device=self.device,
+            )
             for sl in slicers:
                 prediction = self._internal_maybe_mirror_and_predict(data[sl][None])[0]
                 logits[sl] += prediction * gaussian
@@ -247,7 +266,9 @@ def anisotropic(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     return folder, model, patch, alignment
 
 
-def test_anisotropic_strides_give_per_axis_alignment_and_the_patch_as_tile(anisotropic: tuple[Any, ...]) -> None:
+def test_anisotropic_strides_give_per_axis_alignment_and_the_patch_as_tile(
+    anisotropic: tuple[Any, ...],
+) -> None:
     _, model, patch, alignment = anisotropic
     assert list(model.spec.alignment_per_axis) == alignment  # (x, y, z): the strides' product, reversed
     assert model.spec.defaults.tile == tuple(reversed(patch))
@@ -256,8 +277,12 @@ def test_anisotropic_strides_give_per_axis_alignment_and_the_patch_as_tile(aniso
 
 
 @pytest.mark.parametrize("where", ["below", "on", "above"])
-@pytest.mark.parametrize("mirroring", [pytest.param(False, id="mirror-off"), pytest.param(True, id="mirror-on")])
-def test_anisotropic_nnunet_equals_nnunet_predictor(anisotropic: tuple[Any, ...], where: str, mirroring: bool) -> None:
+@pytest.mark.parametrize(
+    "mirroring", [pytest.param(False, id="mirror-off"), pytest.param(True, id="mirror-on")]
+)
+def test_anisotropic_nnunet_equals_nnunet_predictor(
+    anisotropic: tuple[Any, ...], where: str, mirroring: bool
+) -> None:
     folder, model, patch, _ = anisotropic
     if where == "above" and mirroring and patch[0] > 16:
         pytest.skip("8 flips of 8 windows of 2 folds: covered by the smaller network")
