@@ -141,7 +141,7 @@ def _tiled(
                     blend=p.blend.value, alignment=spec.alignment_per_axis, scale=spec.scale,
                     batch_size=p.batch_size, device=model.predictor.device, out=out, reduce=reduce,
                     progress=progress, fixed_tile_shape=p.grid.fixed_tile_shape,
-                    placement=p.grid.placement.value,
+                    placement=[a.placement.value for a in p.grid.axes],
                     should_stop=should_stop, resume=r, seam=seam,
                 )  # fmt: skip
             finally:

@@ -111,7 +111,7 @@ def shrink_plan(plan: RunPlan, spec: ModelSpec) -> RunPlan | None:
     grid = TileGrid.plan(
         plan.spatial_shape, smaller, plan.halo, overlap=plan.overlap, alignment=spec.alignment_per_axis,
         scale=spec.scale, blend=plan.blend.value, fixed_tile_shape=plan.grid.fixed_tile_shape,
-        placement=plan.grid.placement,
+        placement=[a.placement for a in plan.grid.axes],
     )  # fmt: skip
     return dataclasses.replace(plan, tile=grid.tile_shape, grid=grid, batch_size=1)
 
@@ -206,12 +206,16 @@ def size_plan(
 
     def plan_grid(limit: tuple[int, ...]) -> tuple[TileGrid, tuple[int, ...]]:
         def grid_of(t: tuple[int, ...], fixed: bool) -> tuple[TileGrid, tuple[int, ...]]:
-            if window is not None:  # a centred axis the window covers: the framework's own window
+            place: tuple[Placement, ...] = (Placement.END,) * len(shape)
+            if window is not None:  # an axis the framework's window covers: that window, centred
                 t = tuple(w if s <= w < u else u for s, w, u in zip(shape, window, t, strict=True))
             halo = rules[-1](t)
+            if window is not None:  # elsewhere the framework's windows, but a halo's exact tiles
+                place = tuple(spec.padding if s <= w or h == 0 else Placement.END
+                              for s, w, h in zip(shape, window, halo, strict=True))  # fmt: skip
             grid = TileGrid.plan(
                 shape, t, halo, overlap=overlap, alignment=align, scale=spec.scale,
-                blend=blend.value, fixed_tile_shape=fixed, placement=spec.padding,
+                blend=blend.value, fixed_tile_shape=fixed, placement=place,
             )  # fmt: skip
             return grid, halo
 

@@ -46,7 +46,7 @@ def tiled_inference(
     progress: bool | Callable[[int], object] = False,
     *,
     fixed_tile_shape: bool = False,
-    placement: str = "end",
+    placement: str | Sequence[str] = "end",
     prefetch: bool = True,
     should_stop: Callable[[], bool] | None = None,
     resume: Resume | None = None,
@@ -90,7 +90,8 @@ def tiled_inference(
             voxels go through the network. Either way tiles exceed the image only when
             ``tile_shape`` does, and then shrink to the (aligned) image.
         placement: ``"end"`` (tilewise's grid), ``"centred-monai"`` or ``"centred-nnunet"``: the
-            source framework's window placement and padding (:class:`~tiling.geometry.Placement`).
+            source framework's window placement and padding (:class:`~tiling.geometry.Placement`);
+            one, or one per axis.
         prefetch: read and pad the next batch in a background thread while the predictor runs on
             the current one (default). ``False`` reads each batch just before it is predicted
             (e.g. to measure what the overlap gains, or for a source that is not thread-safe).

@@ -155,7 +155,7 @@ class TileGrid:
         border: str | BorderMode = "clip",
         blend: str | BlendMode = "constant",
         fixed_tile_shape: bool = False,
-        placement: str | Placement = "end",
+        placement: str | Placement | Sequence[str | Placement] = "end",
     ) -> TileGrid:
         """Plan tiles for an image of ``spatial_shape`` voxels.
 
@@ -176,7 +176,8 @@ class TileGrid:
                 covers, origins spread evenly). Either way tiles exceed the image only when
                 ``tile_shape`` does, and then shrink to the aligned image.
             placement: ``"end"`` (tilewise's grid), ``"centred-monai"`` or ``"centred-nnunet"``
-                (the source framework's windows and padding; see the module docstring).
+                (the source framework's windows and padding; see the module docstring); one, or
+                one per axis.
 
         Raises:
             GridError: a parameter with the wrong number of axes or an invalid value, a halo that
@@ -197,14 +198,21 @@ class TileGrid:
         scales = as_fractions(scale, ndim, "scale")
         border_mode = BorderMode(parse_enum(BorderMode, border, "border"))
         blend_mode = BlendMode(parse_enum(BlendMode, blend, "blend"))
-        place = Placement(parse_enum(Placement, placement, "placement"))
+        places = [
+            Placement(parse_enum(Placement, p, "placement"))
+            for p in ((placement,) * ndim if isinstance(placement, str) else placement)
+        ]
+        if len(places) != ndim:
+            raise GridError(f"placement={tuple(placement)} has {len(places)} axes but the input has {ndim}")
         axes = tuple(
-            _plan_centred(axis, shape[axis], tiles[axis], overlaps[axis], aligns[axis], scales[axis], place)
-            if place is not Placement.END and (shape[axis] <= tiles[axis] or halos[axis] == 0)
+            _plan_centred(axis, shape[axis], tiles[axis], overlaps[axis], aligns[axis], scales[axis],
+                          places[axis])
+            if places[axis] is not Placement.END and (shape[axis] <= tiles[axis] or halos[axis] == 0)
             else _plan_axis(axis, shape[axis], tiles[axis], halos[axis], overlaps[axis], aligns[axis],
                             scales[axis], border_mode, bool(fixed_tile_shape))
             for axis in range(ndim)
         )  # fmt: skip
+        place = next((p for p in places if p is not Placement.END), Placement.END)
         return cls(shape, tiles, halos, overlaps, aligns, scales, border_mode, blend_mode, axes,
                    bool(fixed_tile_shape), place)  # fmt: skip
 
