@@ -195,9 +195,10 @@ class Model:
         if auto and self.is_tile_dependent():
             # no halo reproduces the whole image: no search, the blended default plan
             halo_of, source = given_halo_rule((0,) * ndim), "tile-dependent"
-            if "overlap" not in given and not any(overlap):
+            framework = spec.padding != "end"  # the source framework's windows, as its spec says
+            if "overlap" not in given and not any(overlap) and not framework:
                 overlap = tuple(t // 2 for t in tile)  # nnU-Net's half a tile
-            if "blend" not in given and blend == Blend.CONSTANT:
+            if "blend" not in given and blend == Blend.CONSTANT and not framework:
                 blend = Blend.GAUSSIAN
         elif auto:
             assert p.halo_tolerance is not None

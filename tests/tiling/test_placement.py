@@ -26,7 +26,7 @@ def _dependent(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", [(30, 40), (32, 32), (33, 50), (61, 97), (17, 131), (64, 29)])
-@pytest.mark.parametrize("overlap", [0.25, 0.5])
+@pytest.mark.parametrize("overlap", [0.0, 0.25, 0.5])
 def test_centred_monai_equals_monai_sliding_window(shape: tuple[int, int], overlap: float) -> None:
     from monai.inferers import sliding_window_inference
 
