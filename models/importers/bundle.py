@@ -338,7 +338,8 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
             )
         roi_shape = [int(v) for v in _as_list(roi, dims)] if inferer == "SlidingWindowInferer" else None
         tile = roi_shape or [96 if dims == 3 else 256] * dims
-        tile = [-(-t // facts.alignment) * facts.alignment for t in tile]
+        align = list(facts.alignment_per_axis)  # per axis: an anisotropic network's own strides
+        tile = [-(-t // a) * a for t, a in zip(tile, align, strict=True)]
         defaults: dict[str, Any] = {"tile": tile, "batch_size": int(inferer_args.get("sw_batch_size") or 1)}
         if facts.tile_dependent:
             overlap = float(inferer_args.get("overlap") or 0.0)
@@ -350,14 +351,14 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
             defaults.update(halo="auto", overlap=0, blend="constant")
         models_dir.mkdir(parents=True, exist_ok=True)
         weights = models_dir / f"{name}{FORMATS[fmt]}"
-        small = [max(facts.alignment, t // 2 // facts.alignment * facts.alignment) for t in tile]
+        small = [max(a, t // 2 // a * a) for t, a in zip(tile, align, strict=True)]
         diff = export_network(
             network,
             weights,
             fmt=fmt,
             in_channels=facts.in_channels,
             core_shape=tile,
-            check_shapes=[small, [t + facts.alignment for t in tile]],
+            check_shapes=[small, [t + a for t, a in zip(tile, align, strict=True)]],
             wrap=(lambda net: PadToShape(net, roi_shape)) if roi_shape else None,
             name=name,
         )
@@ -368,7 +369,7 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         "spatial_dims": dims,
         "in_channels": facts.in_channels,
         "out_channels": facts.out_channels,
-        "alignment": facts.alignment,
+        "alignment": align if len(set(align)) > 1 else align[0],
         "scale": facts.scale,
         **({"receptive_field": list(facts.receptive_field)} if facts.receptive_field else {}),
         "tile_dependent": facts.tile_dependent,

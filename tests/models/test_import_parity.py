@@ -121,6 +121,22 @@ def test_tile_dependent_bundle_equals_monai_sliding_window(
     assert np.abs(got - expected).max() <= 1e-4
 
 
+def test_anisotropic_bundle_gets_per_axis_alignment_and_monai_windows(tmp_path: Path) -> None:
+    from monai.inferers import sliding_window_inference
+
+    need("monai")
+    arch = {"out_channels": 2, "channels": [4, 8, 16], "strides": [[1, 2, 2], [2, 2, 2]]}
+    net = _bundle(tmp_path / "aniso", roi=(18, 32, 32), arch=arch, norm="instance", post=SOFTMAX_POST)
+    model = _import(tmp_path / "aniso", tmp_path / "models", "aniso")
+    assert model.spec.alignment == (2, 4, 4) and model.spec.defaults.tile == (18, 32, 32)  # not 20 (lcm 4)
+    volume = _volume((13, 29, 40), 5)
+    with torch.no_grad():
+        logits = sliding_window_inference(_scaled(volume), (18, 32, 32), 2, net, overlap=0.25, mode="constant")
+    expected = torch.softmax(logits[0], 0).numpy()
+    got = model.run(volume[None], parse_params({"output": "probabilities"}))
+    assert np.abs(got - expected).max() <= 1e-4
+
+
 def _monai_pipeline(bundle: Path, path: Path) -> np.ndarray:
     """MONAI's own run of the bundle (its transforms, network, weights, inferer) and the softmax."""
     from monai.bundle import ConfigParser
@@ -286,7 +302,7 @@ def test_anisotropic_nnunet_equals_nnunet_predictor(
     folder, model, patch, _ = anisotropic
     if where == "above" and mirroring and patch[0] > 16:
         pytest.skip("8 flips of 8 windows of 2 folds: covered by the smaller network")
-    shape = {"below": tuple(p - 5 - 2 * i for i, p in enumerate(patch)), "on": patch,
+    shape = {"below": tuple(p - 4 - 3 * i for i, p in enumerate(patch)), "on": patch,
              "above": tuple(p + 7 + 11 * i for i, p in enumerate(patch))}[where]  # fmt: skip
     x = _ct(shape, sum(shape))
     tta = "mirror" if mirroring else "none"
