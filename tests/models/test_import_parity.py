@@ -131,7 +131,8 @@ def test_anisotropic_bundle_gets_per_axis_alignment_and_monai_windows(tmp_path: 
     assert model.spec.alignment == (2, 4, 4) and model.spec.defaults.tile == (18, 32, 32)  # not 20 (lcm 4)
     volume = _volume((13, 29, 40), 5)
     with torch.no_grad():
-        logits = sliding_window_inference(_scaled(volume), (18, 32, 32), 2, net, overlap=0.25, mode="constant")
+        roi = (18, 32, 32)
+        logits = sliding_window_inference(_scaled(volume), roi, 2, net, overlap=0.25, mode="constant")
     expected = torch.softmax(logits[0], 0).numpy()
     got = model.run(volume[None], parse_params({"output": "probabilities"}))
     assert np.abs(got - expected).max() <= 1e-4
