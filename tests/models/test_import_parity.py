@@ -293,7 +293,7 @@ def test_anisotropic_strides_give_per_axis_alignment_and_the_patch_as_tile(
     assert plan.grid.used_tile_shape == tuple(reversed(patch)) and plan.grid.n_tiles == 1
 
 
-@pytest.mark.parametrize("where", ["below", "on", "above"])
+@pytest.mark.parametrize("where", ["below", "on", pytest.param("above", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "mirroring", [pytest.param(False, id="mirror-off"), pytest.param(True, id="mirror-on")]
 )
