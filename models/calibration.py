@@ -174,7 +174,7 @@ class HaloCalibrator:
         A conv stack's reach along one axis does not need width on the others (the straight
         path exists), so a band costs a fraction of a square probe; in 3-D, far less.
         """
-        ndim, align = self.spec.spatial_dims, self.spec.alignment
+        ndim, align = self.spec.spatial_dims, self.spec.alignment_lcm
         long = round_up(size, align)
         narrow = round_up(min(size, max(32, 4 * align)), align)
         radius, bounded, seconds = [], True, 0.0
@@ -212,7 +212,7 @@ class HaloCalibrator:
             InputError: ``sample`` is not the preprocessed image.
         """
         ndim = len(tile)
-        if fits_one_tile(shape, tile, self.spec.alignment):
+        if fits_one_tile(shape, tile, self.spec.alignment_per_axis):
             return AutoHalo((0,) * ndim, self.known_radius or (0,) * ndim, "one tile")
         if not calibrate:
             radius = self.known_radius
@@ -245,7 +245,7 @@ class HaloCalibrator:
         """``halo="auto"`` for the planner: the halo rule of ``tile``, a check of another tile
         (calibrated there too, and kept only if it errs no more than ``tile``: some networks are
         exact only at some tile sizes), and where the halo came from."""
-        align = self.spec.alignment
+        align = self.spec.alignment_per_axis
         start = self.auto_halo(shape, tile, tolerance, sample, calibrate)
 
         def verify(other: tuple[int, ...]) -> HaloRule | None:
@@ -289,7 +289,7 @@ class HaloCalibrator:
         tile_t = tuple(int(t) for t in tile)
         max_halo = calibration_margin(self.receptive_field(), tile_t)
         if sample is not None:
-            sample = _central_crop(sample, [t + 2 * max_halo for t in tile_t], self.spec.alignment)
+            sample = _central_crop(sample, [t + 2 * max_halo for t in tile_t], self.spec.alignment_lcm)
             source = f"sample {sample_fingerprint(sample)}"
         else:
             source = "synthetic sample"

@@ -24,13 +24,13 @@ from models.params import OutputKind
 from models.plan import RunPlan
 from models.planner import retry_smaller
 from models.preprocess import make_reduce
-from tiling import Resume, SeamStats, aligned_extent, context_halo
+from tiling import Placement, Resume, SeamStats, aligned_extent, context_halo
 
 if TYPE_CHECKING:
     from models.backends import PoolingContext
     from models.model import Model, TiledPass
 
-__all__ = ["CONTEXT_WHOLE_FACTOR", "execute_plan", "prepare_context"]
+__all__ = ["CONTEXT_WHOLE_FACTOR", "MirroredTiles", "execute_plan", "prepare_context"]
 
 #: Global-pooling models: images of at most this many tiles' voxels get their pool means from one
 #: whole-image pass (exact and fastest; memory up to this many tiles' worth).
@@ -67,11 +67,15 @@ def execute_plan(
     """
     spec = model.spec
     labels = plan.output == OutputKind.LABELS
-    if len(plan.flips) == 1:
+    # nnU-Net mirrors inside each window (logits averaged there): flipping the whole image would move
+    # a centred window's padding and origins, so a centred placement flips each tile instead
+    in_tiles = spec.padding is not Placement.END and spec.output.tta_average == "logits" and tiled is None
+    if len(plan.flips) == 1 or in_tiles:
         target = out[None] if out is not None and labels else out
         reduce = make_reduce(spec.activation, plan.output.value)
         run = (progress, should_stop, resume, seam, replanned, tiled)
-        result, plan = _tiled(model, x, plan, reduce, target, *run)
+        flips = plan.flips if len(plan.flips) > 1 else None
+        result, plan = _tiled(model, x, plan, reduce, target, *run, flips=flips)
         return result, plan
     # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
     logits = spec.output.tta_average == "logits"
@@ -109,13 +113,16 @@ def _tiled(
     seam: SeamStats | None,
     replanned: Callable[[RunPlan], object] | None,
     tiled: TiledPass | None = None,
+    flips: tuple[tuple[int, ...], ...] | None = None,
 ) -> tuple[npt.NDArray[Any], RunPlan]:
     """One tiled pass, retried smaller when the device runs out of memory
     (:func:`models.planner.retry_smaller`), or run by ``tiled`` elsewhere; the result and the plan
-    that made it."""
+    that made it. ``flips``: each tile's prediction is the mean over these flips of the tile
+    (:class:`MirroredTiles`)."""
     from tiling import tiled_inference
 
     spec = model.spec
+    predictor: Any = model.predictor if flips is None else MirroredTiles(model.predictor, flips)
     if tiled is not None:
         y = tiled(model, x, plan, reduce, progress=progress, should_stop=should_stop)
         if out is None:
@@ -145,6 +152,32 @@ def _tiled(
     return retry_smaller(once, plan, spec, model.predictor.device, resume=resume, replanned=replanned)
 
 
+class MirroredTiles:
+    """A predictor whose output for a batch of tiles is the mean over ``flips`` of
+    ``flip(predictor(flip(tiles)))``: nnU-Net's ``_internal_maybe_mirror_and_predict`` (logits).
+
+    ``flips`` are tuples of spatial axes (``()`` for the tile itself), as :attr:`RunPlan.flips`.
+    """
+
+    def __init__(self, predictor: Any, flips: tuple[tuple[int, ...], ...]) -> None:
+        self.predictor = predictor
+        self.flips = flips
+        self.device = predictor.device
+
+    def __call__(self, batch: Any) -> Any:
+        """``(B, C_in, *tile)`` -> ``(B, C_out, *tile * scale)`` float32, on the batch's device."""
+        import torch
+
+        total = None
+        for axes in self.flips:
+            dims = tuple(2 + a for a in axes)
+            y = torch.as_tensor(self.predictor(torch.flip(batch, dims) if dims else batch)).float()
+            y = torch.flip(y, dims) if dims else y
+            total = y if total is None else total + y
+        assert total is not None
+        return total / len(self.flips)
+
+
 def prepare_context(model: Model, context: PoolingContext, x: npt.NDArray[np.float32], plan: RunPlan) -> None:
     """Whole-image pool means for a global-pooling model, before the tiled pass.
 
@@ -154,7 +187,7 @@ def prepare_context(model: Model, context: PoolingContext, x: npt.NDArray[np.flo
     whole-image pass (exact), and a larger one tile-by-tile passes with the radius as halo (exact
     once tile > 2 * radius; else the largest halo the tile allows).
     """
-    extent = aligned_extent(x.shape[1:], model.spec.alignment)
+    extent = aligned_extent(x.shape[1:], model.spec.alignment_per_axis)
     if math.prod(extent) <= CONTEXT_WHOLE_FACTOR * math.prod(plan.tile):
         context.prepare_context(x, tile=None, halo=None)
         return

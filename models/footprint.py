@@ -279,8 +279,8 @@ def _measure_spec(spec: Any, predictor: Any) -> Footprint:
     return measure_footprint(
         predictor,
         in_channels=int(spec.in_channels),
-        default_tile=tuple(round_up(int(t), int(spec.alignment)) for t in tile),
-        alignment=int(spec.alignment),
+        default_tile=tuple(round_up(int(t), spec.alignment_lcm) for t in tile),
+        alignment=spec.alignment_lcm,
         batch=int(spec.defaults.batch_size or 1),
         device=predictor.device,
         torch_backend=str(spec.backend.value) != "onnx",

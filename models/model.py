@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
 from models.calibration import HaloCalibrator
-from models.errors import InputError
+from models.errors import InputError, ParamError
 from models.execute import execute_plan
 from models.footprint import Footprint, footprint_of
 from models.params import Blend, InferenceParams, OutputKind
@@ -184,6 +184,12 @@ class Model:
         if len(shape) != ndim:
             raise InputError(f"model {spec.name!r} plans {ndim} spatial axes, got shape {shape}")
         assert p.tile is not None and p.overlap is not None and p.halo is not None  # spec defaults
+        if p.output == OutputKind.LABELS and spec.activation == "sigmoid" and spec.out_channels > 1:
+            raise ParamError(
+                f"output=labels: model {spec.name!r} is multi-label (a sigmoid over {spec.out_channels} "
+                "channels, a voxel may carry several labels), one label per voxel cannot say that; ask "
+                "output=probabilities (one channel per label, a label where its channel exceeds 0.5)"
+            )
         assert p.blend is not None and p.batch_size is not None and p.output is not None
         tile = as_ints(p.tile, ndim, "tile", minimum=1)
         overlap = as_ints(p.overlap, ndim, "overlap", minimum=0)
@@ -192,9 +198,10 @@ class Model:
         if auto and self.is_tile_dependent():
             # no halo reproduces the whole image: no search, the blended default plan
             halo_of, source = given_halo_rule((0,) * ndim), "tile-dependent"
-            if "overlap" not in given and not any(overlap):
+            framework = spec.padding != "end"  # the source framework's windows, as its spec says
+            if "overlap" not in given and not any(overlap) and not framework:
                 overlap = tuple(t // 2 for t in tile)  # nnU-Net's half a tile
-            if "blend" not in given and blend == Blend.CONSTANT:
+            if "blend" not in given and blend == Blend.CONSTANT and not framework:
                 blend = Blend.GAUSSIAN
         elif auto:
             assert p.halo_tolerance is not None

@@ -40,7 +40,7 @@ from models.params import Blend, OutputKind, Tta
 from models.plan import RunPlan
 from models.sizing import Candidate, Sizer, batch_options, shrink_tile
 from models.spec import ModelSpec
-from tiling import GridError, TileGrid, aligned_extent, cap_halo, fits_one_tile
+from tiling import GridError, Placement, TileGrid, aligned_extent, cap_halo, fits_one_tile
 
 __all__ = [
     "HaloRule",
@@ -80,7 +80,7 @@ def given_halo_rule(halo: tuple[int, ...]) -> HaloRule:
 
 
 def auto_halo_rule(
-    want: tuple[int, ...], radius: tuple[int, ...], shape: tuple[int, ...], alignment: int
+    want: tuple[int, ...], radius: tuple[int, ...], shape: tuple[int, ...], alignment: int | tuple[int, ...]
 ) -> HaloRule:
     """``halo="auto"``: ``want`` capped by the radius and by what the tile allows
     (:func:`tiling.cap_halo`); none when one tile covers the image (no seam to protect).
@@ -105,12 +105,13 @@ def shrink_plan(plan: RunPlan, spec: ModelSpec) -> RunPlan | None:
     batch = min(plan.batch_size, plan.grid.n_tiles)
     if batch > 1:
         return dataclasses.replace(plan, batch_size=batch // 2)
-    smaller = shrink_tile(plan.grid.used_tile_shape, plan.halo, plan.overlap, spec.alignment)
+    smaller = shrink_tile(plan.grid.used_tile_shape, plan.halo, plan.overlap, spec.alignment_per_axis)
     if smaller is None:
         return None
     grid = TileGrid.plan(
-        plan.spatial_shape, smaller, plan.halo, overlap=plan.overlap, alignment=spec.alignment,
+        plan.spatial_shape, smaller, plan.halo, overlap=plan.overlap, alignment=spec.alignment_per_axis,
         scale=spec.scale, blend=plan.blend.value, fixed_tile_shape=plan.grid.fixed_tile_shape,
+        placement=[a.placement for a in plan.grid.axes],
     )  # fmt: skip
     return dataclasses.replace(plan, tile=grid.tile_shape, grid=grid, batch_size=1)
 
@@ -202,12 +203,21 @@ def size_plan(
     """
     rules = [halo_of]  # the rule in force: a verified tile may bring its own
 
+    align = spec.alignment_per_axis
+    window = spec.defaults.tile if spec.padding is not Placement.END else None
+
     def plan_grid(limit: tuple[int, ...]) -> tuple[TileGrid, tuple[int, ...]]:
         def grid_of(t: tuple[int, ...], fixed: bool) -> tuple[TileGrid, tuple[int, ...]]:
+            place: tuple[Placement, ...] = (Placement.END,) * len(shape)
+            if window is not None:  # an axis the framework's window covers: that window, centred
+                t = tuple(w if s <= w < u else u for s, w, u in zip(shape, window, t, strict=True))
             halo = rules[-1](t)
+            if window is not None:  # elsewhere the framework's windows, but a halo's exact tiles
+                place = tuple(spec.padding if s <= w or h == 0 else Placement.END
+                              for s, w, h in zip(shape, window, halo, strict=True))  # fmt: skip
             grid = TileGrid.plan(
-                shape, t, halo, overlap=overlap, alignment=spec.alignment, scale=spec.scale,
-                blend=blend.value, fixed_tile_shape=fixed,
+                shape, t, halo, overlap=overlap, alignment=align, scale=spec.scale,
+                blend=blend.value, fixed_tile_shape=fixed, placement=place,
             )  # fmt: skip
             return grid, halo
 
@@ -225,7 +235,7 @@ def size_plan(
                           copies_input=copies_input, output_on_disk=output_on_disk)  # fmt: skip
         return peak, network_seconds(plan, fp)
 
-    sizer = Sizer(tile, spec.alignment, aligned_extent(shape, spec.alignment), plan_grid, cost)
+    sizer = Sizer(tile, align, aligned_extent(shape, align), plan_grid, cost)
     keep_tile = tile_dependent or bool(spec.tile_dependent) or (tile_given and not auto_halo)
     choice: Candidate | None = None
     source = "given" if tile_given else "default"
@@ -237,7 +247,7 @@ def size_plan(
             grown = sizer.grow(batch_size, memory_budget or default_budget)
             if grown is not None:
                 choice, source = grown, "grown"
-                sizer = Sizer(grown.tile, spec.alignment, sizer.extent, plan_grid, cost)
+                sizer = Sizer(grown.tile, align, sizer.extent, plan_grid, cost)
         if memory_budget is not None and not batch_given:
             fitted = sizer.fit(batch_options(batch_size), memory_budget, tile_fixed=True)
             choice = fitted if fitted is not None else choice

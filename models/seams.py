@@ -72,7 +72,7 @@ class SeamPolicy:
             if self._probe is None:
                 assert spec.defaults.tile is not None
                 tile = as_ints(spec.defaults.tile, spec.spatial_dims, "tile", minimum=1)
-                tile = tuple(round_up(t, spec.alignment) for t in tile)
+                tile = tuple(round_up(t, a) for t, a in zip(tile, spec.alignment_per_axis, strict=True))
                 try:
                     self._probe = probe_tile_dependence(
                         self.predictor,
@@ -80,7 +80,7 @@ class SeamPolicy:
                         in_channels=spec.in_channels,
                         tile_shape=tile,
                         radius=self.calibrator.known_radius,
-                        alignment=spec.alignment,
+                        alignment=spec.alignment_lcm,
                         device=self.predictor.device,
                     )
                 except ProbeError as exc:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tiling import GridError, TileGrid
-from tiling.plan import round_up
+from tiling.plan import per_axis, round_up
 
 __all__ = ["Candidate", "Sizer", "WORK_TARGET", "batch_options", "shrink_tile"]
 
@@ -65,7 +65,7 @@ class Sizer:
 
     Attributes:
         start: the starting tile limit ``T0`` per axis (the request's or the spec's).
-        alignment: the network's size divisor.
+        alignment: the network's size divisor (one, or one per axis).
         extent: the image rounded up to the alignment, per axis (a tile never needs more).
         plan_grid: ``(tile limit) -> (grid, halo)``; raises :class:`~tiling.GridError` when the
             halo leaves no core.
@@ -73,7 +73,7 @@ class Sizer:
     """
 
     start: tuple[int, ...]
-    alignment: int
+    alignment: int | tuple[int, ...]
     extent: tuple[int, ...]
     plan_grid: Callable[[tuple[int, ...]], tuple[TileGrid, tuple[int, ...]]]
     cost: Callable[[TileGrid, int], tuple[int, float]]
@@ -101,9 +101,8 @@ class Sizer:
 
     def _scaled(self, factor: float) -> tuple[int, ...]:
         """``T0 * factor`` per axis, rounded up to the alignment; grown no further than the image."""
-        a = self.alignment
         out = []
-        for t, e in zip(self.start, self.extent, strict=True):
+        for t, e, a in zip(self.start, self.extent, per_axis(self.alignment, len(self.start)), strict=True):
             scaled = max(a, round_up(math.ceil(t * factor), a))
             out.append(min(scaled, max(e, t)) if factor > 1 else min(scaled, t))
         return tuple(out)
@@ -167,7 +166,7 @@ def batch_options(default: int, n_tiles_hint: int | None = None) -> tuple[int, .
 
 
 def shrink_tile(
-    tile: Sequence[int], halo: Sequence[int], overlap: Sequence[int], alignment: int
+    tile: Sequence[int], halo: Sequence[int], overlap: Sequence[int], alignment: int | Sequence[int]
 ) -> tuple[int, ...] | None:
     """Half of ``tile`` per axis (rounded down to the alignment), keeping a core of at least one
     alignment step beyond the halos and the overlap; ``None`` when no axis can shrink.
@@ -180,8 +179,8 @@ def shrink_tile(
     True
     """
     out = []
-    for t, h, o in zip(tile, halo, overlap, strict=True):
-        least = round_up(2 * h + o + alignment, alignment)
-        out.append(max(least, t // 2 // alignment * alignment) if t > least else t)
+    for t, h, o, a in zip(tile, halo, overlap, per_axis(alignment, len(tile)), strict=True):
+        least = round_up(2 * h + o + a, a)
+        out.append(max(least, t // 2 // a * a) if t > least else t)
     result = tuple(out)
     return None if result == tuple(tile) else result

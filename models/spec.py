@@ -11,13 +11,15 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     sha256: 3b4c...               # verified before loading when given
     architecture: unet            # eager: a name of models.nets, or "package.module:callable"
     params: {features: 8}         # keyword arguments of the architecture (or analytic parameters)
-    alignment: 4                  # total stride of the network (tile sizes are multiples of it)
+    alignment: 4                  # total stride of the network (tile sizes are multiples of it),
+                                  # or one per axis: [2, 8, 8] (nnU-Net's anisotropic pooling)
     scale: 1                      # output voxels per input voxel
     receptive_field: [10, 10, 10] # radius per axis in voxels, when known (else measured)
     tile_dependent: false         # instance norm / attention / global pooling (absent: probed at warm-up)
     spacing: [1.0, 1.0, 1.0]      # mm per spatial axis the network was trained at (inputs resampled)
     orientation: RAS              # axis codes the network was trained in (3-D; inputs reoriented)
     labels: {0: background, 1: grey matter}  # label index -> name
+    padding: end                  # where the image lies in its window: end | centred-monai | centred-nnunet
     mirror_axes: [0, 1, 2]        # model-grid axes that tta=mirror flips (default: all)
     frame: {shape: [256, 256, 256], margin: 0.1}  # foreground box resized to shape (not with spacing)
     global_pooling: false         # global average pools whose statistics come from the whole image
@@ -34,6 +36,14 @@ CLI options); unset ones are filled in (tile 256 per axis in 1-D/2-D, 96 in 3-D;
 overlap 0; blend constant; batch size 1; output ``output.kind``) and per-axis values broadcast, so
 ``spec.defaults`` is complete but for ``format`` (``None``: it follows the input).
 
+``padding`` says how the source framework places an image in its windows, and tilewise does the
+same (:class:`tiling.Placement`): ``end`` (tilewise's own grid: the image at the origin, rounded up
+to the alignment at its end), ``centred-monai`` (MONAI's ``sliding_window_inference``: an axis
+shorter than the tile zero-padded to it, ``(tile - size) // 2`` before and the rest after; windows
+``tile - overlap`` apart, the last one shifted back to the image edge) or ``centred-nnunet``
+(nnU-Net v2's predictor: the same padding, windows spread evenly; ``tta=mirror`` flips inside each
+window). ``tilewise import-model`` writes it for MONAI bundles and nnU-Net folders.
+
 Unknown fields are refused. Invalid specs raise :class:`~models.errors.SpecError` naming the file
 and the field.
 """
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,6 +73,7 @@ from pydantic import (
 from models.errors import SpecError
 from models.params import REQUEST_ONLY, Blend, InferenceParams, OutputKind, StrEnum, _per_axis
 from models.steps import STEP_PARAMS, FrameSpec, PreprocessStep, check_params
+from tiling import Placement
 
 __all__ = [
     "ANALYTIC_PARAMS",
@@ -192,7 +204,7 @@ class ModelSpec(BaseModel):
     sha256: Annotated[StrictStr, AfterValidator(_sha256)] | None = None
     architecture: StrictStr | None = None
     params: dict[str, Any] = Field(default_factory=dict)
-    alignment: Positive = 1
+    alignment: Positive | tuple[Positive, ...] = 1
     scale: Positive = 1
     receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
     tile_dependent: StrictBool | None = None
@@ -201,6 +213,7 @@ class ModelSpec(BaseModel):
     labels: dict[Annotated[int, Field(ge=0)], StrictStr] | None = None
     mirror_axes: tuple[Annotated[StrictInt, Field(ge=0)], ...] | None = None
     frame: FrameSpec | None = None
+    padding: Placement = Placement.END
     global_pooling: StrictBool = False
     precision: Precision = Precision.FP32
     channels_last: StrictBool = False
@@ -258,6 +271,18 @@ class ModelSpec(BaseModel):
             raise ValueError(f"field 'orientation' must give {ndim} axis codes, got {self.orientation!r}")
         if self.frame is not None and (len(self.frame.shape) != ndim or self.spacing is not None):
             raise ValueError(f"field 'frame' needs {ndim} sizes in 'shape', and no 'spacing' beside it")
+        multi_label = self.output.activation == Activation.SIGMOID and self.out_channels > 1
+        if multi_label and self.output.kind == OutputKind.LABELS:
+            raise ValueError(
+                f"field 'output.kind' is labels for a sigmoid over {self.out_channels} channels "
+                "(multi-label: one label per voxel cannot hold several); use probabilities"
+            )
+        if isinstance(self.alignment, tuple):
+            if len(self.alignment) != ndim:
+                got = list(self.alignment)
+                raise ValueError(f"field 'alignment' must be an int or a list of {ndim} ints, got {got}")
+            if len(set(self.alignment)) == 1:  # one value: the plain form
+                object.__setattr__(self, "alignment", self.alignment[0])
         rf = self.receptive_field
         if rf is not None:
             object.__setattr__(self, "receptive_field", _broadcast("receptive_field", rf, ndim))
@@ -284,6 +309,17 @@ class ModelSpec(BaseModel):
         return self.output.dtype.value
 
     @property
+    def alignment_per_axis(self) -> tuple[int, ...]:
+        """``alignment`` per spatial axis: tile sizes (and ``end`` tile origins) are multiples of it."""
+        a = self.alignment
+        return tuple(int(v) for v in a) if isinstance(a, tuple) else (int(a),) * self.spatial_dims
+
+    @property
+    def alignment_lcm(self) -> int:
+        """The least common multiple of the per-axis alignments: a size every axis accepts."""
+        return math.lcm(*self.alignment_per_axis)
+
+    @property
     def where(self) -> str:
         """How messages name this spec: its file and name."""
         return f"{self.source} (model {self.name!r})" if self.source else f"model {self.name!r}"
@@ -297,7 +333,7 @@ class ModelSpec(BaseModel):
             "in_channels": self.in_channels,
             "out_channels": self.out_channels,
             "backend": self.backend.value,
-            "alignment": self.alignment,
+            "alignment": list(self.alignment) if isinstance(self.alignment, tuple) else self.alignment,
             "scale": self.scale,
             "receptive_field": None if self.receptive_field is None else list(self.receptive_field),
             "params": dict(self.params),

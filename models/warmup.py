@@ -41,7 +41,7 @@ def check_forward(spec: ModelSpec, predictor: BasePredictor) -> None:
             another number of channels (``out_channels``) or another spatial size than
             ``size * scale`` (``scale``, or ``alignment`` when the ratio is not an integer).
     """
-    size = check_size(spec.alignment)
+    size = check_size(spec.alignment_lcm)
     batch = torch.zeros((1, spec.in_channels, *([size] * spec.spatial_dims)))
     try:
         out = predictor(batch)

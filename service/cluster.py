@@ -182,7 +182,7 @@ class DaskPass:
                 f"model {spec.name!r} pools over the whole image (its pool means are prepared in "
                 "process): run it without --dask"
             )
-        align = (int(spec.alignment),) * (x.ndim - 1)
+        align = spec.alignment_per_axis
         asked = self.chunk if self.chunk is not None else default_chunk(plan, align)
         depth = tuple(-(-h // a) * a for h, a in zip(plan.halo, align, strict=True))
         chunks = plan_chunks(x.shape[1:], asked, depth=depth, alignment=align)

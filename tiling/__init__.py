@@ -18,7 +18,7 @@ from tiling.errors import (
     ShapeMismatchError,
     TilingError,
 )
-from tiling.geometry import BlendMode, BorderMode, PaddingMode
+from tiling.geometry import BlendMode, BorderMode, PaddingMode, Placement
 from tiling.grid import AxisPlan, Tile, TileGrid
 from tiling.plan import (
     aligned_extent,
@@ -26,6 +26,7 @@ from tiling.plan import (
     cap_halo,
     context_halo,
     fits_one_tile,
+    per_axis,
     round_up,
 )
 from tiling.resume import Resume, ResumePoint, resume_point
@@ -40,6 +41,7 @@ __all__ = [
     "CoverageError",
     "GridError",
     "PaddingMode",
+    "Placement",
     "Resume",
     "ResumePoint",
     "RunCancelledError",
@@ -54,6 +56,7 @@ __all__ = [
     "context_halo",
     "fits_one_tile",
     "pad_to_fit",
+    "per_axis",
     "resume_point",
     "round_up",
     "sample_windows",

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tiling.errors import CoverageError
-from tiling.geometry import BlendMode
+from tiling.geometry import BlendMode, Placement
 from tiling.grid import AxisPlan, TileGrid
 
 __all__ = ["AxisWeights", "GAUSSIAN_SIGMA_SCALE", "axis_weights", "blend_window", "grid_weights"]
@@ -32,6 +32,7 @@ def blend_window(
     flat_lo: bool = False,
     flat_hi: bool = False,
     sigma: float | None = None,
+    centre: float | None = None,
 ) -> Vector:
     """Return a 1-D blend window of ``length`` strictly positive float32 weights, peak 1.
 
@@ -44,6 +45,8 @@ def blend_window(
         flat_hi: set the half above the peak to 1.
         sigma: standard deviation of the ``gaussian`` window (voxels); default ``length / 8``.
             The engine passes ``tile / 8``, relative to the tile size as nnU-Net's importance map.
+        centre: index of the ``gaussian``'s peak; default ``(length - 1) / 2`` (MONAI's
+            ``compute_importance_map``); nnU-Net's ``compute_gaussian`` puts it at ``length // 2``.
 
     Returns:
         ``(length,)`` float32 array with ``0 < w <= 1``.
@@ -54,7 +57,7 @@ def blend_window(
     if mode is BlendMode.CONSTANT:
         w = np.ones(length, dtype=np.float64)
     elif mode is BlendMode.GAUSSIAN:
-        x = np.arange(length, dtype=np.float64) - (length - 1) / 2.0
+        x = np.arange(length, dtype=np.float64) - ((length - 1) / 2.0 if centre is None else centre)
         std = max(length * GAUSSIAN_SIGMA_SCALE if sigma is None else sigma, 1e-3)
         w = np.exp(-0.5 * (x / std) ** 2)
     elif mode is BlendMode.HANN:
@@ -90,7 +93,8 @@ def axis_weights(axis: AxisPlan, mode: BlendMode) -> AxisWeights | None:
 
     Each tile's window lies over its :attr:`~tiling.grid.AxisPlan.windows` span, flat on the sides
     that lie on the extent edge; written voxels outside the span get weight 1. The gaussian's sigma
-    is ``out_tile / 8``, relative to the tile as nnU-Net's importance map.
+    is ``out_tile / 8``, relative to the tile as nnU-Net's importance map, its peak at the span's
+    centre (at ``out_tile // 2`` for the ``centred-nnunet`` placement, as nnU-Net's).
 
     >>> grid = TileGrid.plan((10,), 6, overlap=2, blend="triangular")
     >>> w = axis_weights(grid.axes[0], grid.blend)
@@ -109,8 +113,9 @@ def axis_weights(axis: AxisPlan, mode: BlendMode) -> AxisWeights | None:
     for (lo, hi), (win_lo, win_hi), (flat_lo, flat_hi) in zip(
         axis.writes, axis.windows, axis.flat, strict=True
     ):
+        centre = axis.out_tile // 2 if axis.placement is Placement.CENTRED_NNUNET else None
         window = blend_window(win_hi - win_lo, mode, flat_lo=flat_lo, flat_hi=flat_hi,
-                              sigma=axis.out_tile * GAUSSIAN_SIGMA_SCALE)  # fmt: skip
+                              sigma=axis.out_tile * GAUSSIAN_SIGMA_SCALE, centre=centre)  # fmt: skip
         full_lo, full_hi = min(lo, win_lo), max(hi, win_hi)
         full = np.ones(full_hi - full_lo, dtype=np.float32)
         full[win_lo - full_lo : win_hi - full_lo] = window

@@ -46,6 +46,7 @@ def tiled_inference(
     progress: bool | Callable[[int], object] = False,
     *,
     fixed_tile_shape: bool = False,
+    placement: str | Sequence[str] = "end",
     prefetch: bool = True,
     should_stop: Callable[[], bool] | None = None,
     resume: Resume | None = None,
@@ -90,6 +91,9 @@ def tiled_inference(
             that still covers the image, origins spread evenly (see :mod:`tiling.grid`), so fewer
             voxels go through the network. Either way tiles exceed the image only when
             ``tile_shape`` does, and then shrink to the (aligned) image.
+        placement: ``"end"`` (tilewise's grid), ``"centred-monai"`` or ``"centred-nnunet"``: the
+            source framework's window placement and padding (:class:`~tiling.geometry.Placement`);
+            one, or one per axis.
         prefetch: read and pad the next batch in a background thread while the predictor runs on
             the current one (default). ``False`` reads each batch just before it is predicted
             (e.g. to measure what the overlap gains, or for a source that is not thread-safe).
@@ -136,7 +140,7 @@ def tiled_inference(
                       alignment=alignment, scale=scale)  # fmt: skip
         grid = TileGrid.plan(
             shape[lead:], tile_shape, halo, overlap=overlap, alignment=alignment, scale=scale,
-            border=border, blend=blend, fixed_tile_shape=fixed_tile_shape,
+            border=border, blend=blend, fixed_tile_shape=fixed_tile_shape, placement=placement,
         )  # fmt: skip
     else:
         _check_layout(shape, is_torch)

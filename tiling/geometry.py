@@ -12,7 +12,7 @@ from fractions import Fraction
 
 from tiling.errors import GridError
 
-__all__ = ["BlendMode", "BorderMode", "PaddingMode", "as_fractions", "as_ints", "parse_enum"]
+__all__ = ["BlendMode", "BorderMode", "PaddingMode", "Placement", "as_fractions", "as_ints", "parse_enum"]
 
 
 class BlendMode(str, enum.Enum):
@@ -33,6 +33,28 @@ class BorderMode(str, enum.Enum):
 
     CLIP = "clip"
     PAD = "pad"
+
+
+class Placement(str, enum.Enum):
+    """Where tiles lie on the image, and where an image smaller than a tile lies inside it.
+
+    ``end``: tilewise's own grid (:mod:`tiling.grid`): the image at the tile origin, rounded up to the
+    alignment at its end, tiles on the alignment grid. ``centred-monai``: MONAI's
+    ``sliding_window_inference`` (monai 1.6 ``monai/inferers/utils.py``): an axis shorter than the
+    tile is zero-padded to it, ``(T - L) // 2`` before and the rest after; a longer one gets windows
+    ``0, s, 2s, ...`` (``s = T - overlap``), the last one shifted back to end at the image edge
+    (``dense_patch_slices``). ``centred-nnunet``: nnU-Net v2's predictor: the same padding
+    (``pad_nd_image``), windows spread evenly, ``round(i * (L - T) / (n - 1))`` with
+    ``n = ceil((L - T) / (T - overlap)) + 1`` (``compute_steps_for_sliding_window``; ``overlap =
+    T // 2`` is its ``tile_step_size=0.5``, a target step of ``T / 2`` also for odd ``T``). With either
+    centred placement every window's whole output is blended (``constant``: their mean;
+    ``gaussian``: sigma ``T / 8`` centred as the framework centres it), and an axis longer than the
+    tile with a halo keeps the ``end`` placement (exact tiles of a local network).
+    """
+
+    END = "end"
+    CENTRED_MONAI = "centred-monai"
+    CENTRED_NNUNET = "centred-nnunet"
 
 
 class PaddingMode(str, enum.Enum):

@@ -26,6 +26,13 @@ the boundary is the zone's midpoint, each tile discarding at least ``halo`` voxe
 the last tile keep everything up to the extent edge (nothing lies beyond). :attr:`TileGrid.work` is
 the voxels fed to the network divided by the image's voxels.
 
+Placement. The above is ``placement="end"``. The centred placements of
+:class:`~tiling.geometry.Placement` reproduce MONAI's and nnU-Net's sliding windows instead: an axis
+no longer than the tile is one tile with the image centred in it (``pad_lo = (T - L) // 2``, extent
+``T``); a longer axis without a halo gets the framework's window origins over extent ``L`` (not on
+the alignment grid: only the tile size must be aligned), each tile keeping its whole output, blended
+over the whole tile (``flat`` never set); a longer axis with a halo keeps the ``end`` plan.
+
 Blend windows and coverage (floating point) live in :mod:`tiling.blend`; this module only says, per
 tile, which voxels are written and over which span the window lies.
 """
@@ -39,9 +46,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from tiling.errors import CoverageError, GridError
-from tiling.geometry import BlendMode, BorderMode, as_fractions, as_ints, parse_enum
+from tiling.geometry import BlendMode, BorderMode, Placement, as_fractions, as_ints, parse_enum
 
-__all__ = ["AxisPlan", "Tile", "TileGrid"]
+__all__ = ["AxisPlan", "Tile", "TileGrid", "centred_starts"]
 
 Span = tuple[int, int]
 
@@ -67,6 +74,8 @@ class AxisPlan:
         flat: per tile, whether the window is flat (weight 1) on its low and high side, because
             that side lies on the extent edge where no other tile contributes.
         blended: whether neighbouring writes overlap (``False``: the writes partition the output).
+        placement: how this axis was placed (:class:`~tiling.geometry.Placement`; ``end`` also for
+            an axis of a centred grid that kept tilewise's own plan).
     """
 
     length: int
@@ -82,6 +91,7 @@ class AxisPlan:
     windows: tuple[Span, ...]
     flat: tuple[tuple[bool, bool], ...]
     blended: bool
+    placement: Placement = Placement.END
 
     @property
     def n_tiles(self) -> int:
@@ -130,6 +140,7 @@ class TileGrid:
     blend: BlendMode
     axes: tuple[AxisPlan, ...]
     fixed_tile_shape: bool = False
+    placement: Placement = Placement.END
 
     @classmethod
     def plan(
@@ -144,6 +155,7 @@ class TileGrid:
         border: str | BorderMode = "clip",
         blend: str | BlendMode = "constant",
         fixed_tile_shape: bool = False,
+        placement: str | Placement | Sequence[str | Placement] = "end",
     ) -> TileGrid:
         """Plan tiles for an image of ``spatial_shape`` voxels.
 
@@ -163,6 +175,9 @@ class TileGrid:
                 by default tiles are sized to the grid (same count, smallest aligned size that
                 covers, origins spread evenly). Either way tiles exceed the image only when
                 ``tile_shape`` does, and then shrink to the aligned image.
+            placement: ``"end"`` (tilewise's grid), ``"centred-monai"`` or ``"centred-nnunet"``
+                (the source framework's windows and padding; see the module docstring); one, or
+                one per axis.
 
         Raises:
             GridError: a parameter with the wrong number of axes or an invalid value, a halo that
@@ -183,13 +198,23 @@ class TileGrid:
         scales = as_fractions(scale, ndim, "scale")
         border_mode = BorderMode(parse_enum(BorderMode, border, "border"))
         blend_mode = BlendMode(parse_enum(BlendMode, blend, "blend"))
+        places = [
+            Placement(parse_enum(Placement, p, "placement"))
+            for p in ((placement,) * ndim if isinstance(placement, str) else placement)
+        ]
+        if len(places) != ndim:
+            raise GridError(f"placement={tuple(placement)} has {len(places)} axes but the input has {ndim}")
         axes = tuple(
-            _plan_axis(axis, shape[axis], tiles[axis], halos[axis], overlaps[axis], aligns[axis],
-                       scales[axis], border_mode, bool(fixed_tile_shape))
+            _plan_centred(axis, shape[axis], tiles[axis], overlaps[axis], aligns[axis], scales[axis],
+                          places[axis])
+            if places[axis] is not Placement.END and (shape[axis] <= tiles[axis] or halos[axis] == 0)
+            else _plan_axis(axis, shape[axis], tiles[axis], halos[axis], overlaps[axis], aligns[axis],
+                            scales[axis], border_mode, bool(fixed_tile_shape))
             for axis in range(ndim)
         )  # fmt: skip
+        place = next((p for p in places if p is not Placement.END), Placement.END)
         return cls(shape, tiles, halos, overlaps, aligns, scales, border_mode, blend_mode, axes,
-                   bool(fixed_tile_shape))  # fmt: skip
+                   bool(fixed_tile_shape), place)  # fmt: skip
 
     @property
     def ndim(self) -> int:
@@ -254,6 +279,7 @@ class TileGrid:
             f"halo={self.halo} stride={self.stride} overlap={self.overlap} blend={self.blend.value} "
             f"border={self.border.value} work={self.work:.2f}"
             + (" fixed_tile_shape" if self.fixed_tile_shape else "")
+            + (f" placement={self.placement.value}" if self.placement is not Placement.END else "")
         )
 
 
@@ -381,6 +407,72 @@ def _plan_axis(
         windows=tuple(windows),
         flat=tuple(flat),
         blended=blended,
+    )
+
+
+def centred_starts(length: int, tile: int, overlap: int, placement: Placement) -> list[int]:
+    """Window origins of MONAI's or nnU-Net's sliding window along one axis (``length > tile``).
+
+    >>> centred_starts(100, 64, 16, Placement.CENTRED_MONAI)  # interval 48, the last one shifted back
+    [0, 36]
+    >>> centred_starts(110, 64, 32, Placement.CENTRED_NNUNET)  # nnU-Net's own example
+    [0, 23, 46]
+    >>> centred_starts(20, 13, 6, Placement.CENTRED_NNUNET)  # an odd tile: steps of 6.5 at most
+    [0, 4, 7]
+    """
+    step = tile - overlap
+    if placement is Placement.CENTRED_MONAI:  # monai.data.utils.dense_patch_slices
+        n = next(d for d in range(-(-length // step)) if d * step + tile >= length) + 1
+        return [i * step - max(i * step + tile - length, 0) for i in range(n)]
+    # nnunetv2.inference.sliding_window_prediction.compute_steps_for_sliding_window; its default
+    # tile_step_size 0.5 is overlap = tile // 2, a target step of tile / 2 (a half voxel for odd tiles)
+    target = tile / 2 if overlap == tile // 2 else step
+    n = math.ceil((length - tile) / target) + 1
+    actual = (length - tile) / (n - 1)
+    return [round(actual * i) for i in range(n)]
+
+
+def _plan_centred(
+    axis: int, length: int, tile: int, overlap: int, alignment: int, scale: Fraction, placement: Placement
+) -> AxisPlan:
+    """One axis of a centred placement (see the module docstring)."""
+    if tile % alignment:
+        raise GridError(f"tile_shape[{axis}]={tile} is not a multiple of alignment[{axis}]={alignment}")
+    if length <= tile:
+        pad_lo, extent, starts = (tile - length) // 2, tile, [0]
+    else:
+        if tile - overlap <= 0:
+            raise GridError(
+                f"overlap[{axis}]={overlap} leaves no positive stride for tile_shape[{axis}]={tile}"
+            )
+        pad_lo, extent, starts = 0, length, centred_starts(length, tile, overlap, placement)
+    out_lo = _scaled(pad_lo, scale, "padding", axis)
+    out_length = math.ceil(length * scale)
+    out_tile = _scaled(tile, scale, "tile_shape", axis)
+    crops, writes, windows = [], [], []
+    for t in starts:
+        t_out = _scaled(t, scale, "tile origin", axis)
+        lo, hi = max(t_out, out_lo), min(t_out + out_tile, out_lo + out_length)
+        crops.append((lo - t_out, hi - t_out))
+        writes.append((lo - out_lo, hi - out_lo))
+        windows.append((t_out - out_lo, t_out + out_tile - out_lo))
+    blended = len(starts) > 1
+    _check_cover(axis, writes, out_length, blended, f"length={length}, tile={tile}, {placement.value}")
+    return AxisPlan(
+        length=length,
+        extent=extent,
+        pad_lo=pad_lo,
+        tile=tile,
+        stride=max((b - a for a, b in itertools.pairwise(starts)), default=0),
+        starts=tuple(starts),
+        out_length=out_length,
+        out_tile=out_tile,
+        crops=tuple(crops),
+        writes=tuple(writes),
+        windows=tuple(windows),
+        flat=tuple((False, False) for _ in starts),
+        blended=blended,
+        placement=placement,
     )
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "cap_halo",
     "context_halo",
     "fits_one_tile",
+    "per_axis",
     "round_up",
 ]
 
@@ -32,16 +33,33 @@ def round_up(value: int, multiple: int) -> int:
     return -(-int(value) // int(multiple)) * int(multiple)
 
 
-def aligned_extent(spatial_shape: Sequence[int], alignment: int) -> tuple[int, ...]:
-    """Each axis rounded up to the alignment: what a whole-image pass (and the grid) covers.
+def per_axis(alignment: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    """``alignment`` as one int per axis (one int broadcast; a sequence of ``ndim`` ints kept).
 
-    >>> aligned_extent((90, 300), 32)
-    (96, 320)
+    >>> per_axis(8, 3), per_axis((2, 8, 8), 3)
+    ((8, 8, 8), (2, 8, 8))
     """
-    return tuple(round_up(s, alignment) for s in spatial_shape)
+    if isinstance(alignment, Sequence):
+        if len(alignment) != ndim:
+            raise ValueError(f"alignment {tuple(alignment)} for {ndim} axes")
+        return tuple(int(a) for a in alignment)
+    return (int(alignment),) * ndim
 
 
-def fits_one_tile(spatial_shape: Sequence[int], tile_shape: Sequence[int], alignment: int) -> bool:
+def aligned_extent(spatial_shape: Sequence[int], alignment: int | Sequence[int]) -> tuple[int, ...]:
+    """Each axis rounded up to the alignment (one, or one per axis): what a whole-image pass (and
+    the grid) covers.
+
+    >>> aligned_extent((90, 300), 32), aligned_extent((90, 300), (2, 32))
+    ((96, 320), (90, 320))
+    """
+    aligns = per_axis(alignment, len(spatial_shape))
+    return tuple(round_up(s, a) for s, a in zip(spatial_shape, aligns, strict=True))
+
+
+def fits_one_tile(
+    spatial_shape: Sequence[int], tile_shape: Sequence[int], alignment: int | Sequence[int]
+) -> bool:
     """Whether one tile covers the aligned image (then no seam exists and no halo is needed).
 
     >>> fits_one_tile((90, 300), (256, 256), 32), fits_one_tile((90, 250), (256, 256), 32)
@@ -52,7 +70,7 @@ def fits_one_tile(spatial_shape: Sequence[int], tile_shape: Sequence[int], align
 
 
 def cap_halo(
-    halo: Sequence[int], radius: Sequence[int], tile_shape: Sequence[int], alignment: int
+    halo: Sequence[int], radius: Sequence[int], tile_shape: Sequence[int], alignment: int | Sequence[int]
 ) -> tuple[int, ...]:
     """Per axis ``min(halo, radius, (tile - alignment) // 2)``, never below 0.
 
@@ -62,9 +80,10 @@ def cap_halo(
     >>> cap_halo((140, 140), (188, 20), (256, 256), 32)
     (112, 20)
     """
+    aligns = per_axis(alignment, len(tile_shape))
     return tuple(
-        max(0, min(int(h), int(r), (int(t) - alignment) // 2))
-        for h, r, t in zip(halo, radius, tile_shape, strict=True)
+        max(0, min(int(h), int(r), (int(t) - a) // 2))
+        for h, r, t, a in zip(halo, radius, tile_shape, aligns, strict=True)
     )
 
 

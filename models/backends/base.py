@@ -91,7 +91,7 @@ class BasePredictor:
         self.spatial_dims = spec.spatial_dims
         self.in_channels = spec.in_channels
         self.out_channels = spec.out_channels
-        self.alignment = spec.alignment
+        self.alignment = spec.alignment_lcm  # a size divisor of every axis (probes)
         self.scale = spec.scale
         self.receptive_field = spec.receptive_field
         self.tile_shape = spec.defaults.tile

@@ -18,10 +18,11 @@ serving time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ __all__ = [
     "WrittenModel",
     "export_network",
     "model_name",
+    "refusing",
     "write_model",
 ]
 
@@ -109,6 +111,30 @@ class MeanOfNets(nn.Module):
         for net in self.nets[1:]:
             total = total + net(x)
         return total / len(self.nets)
+
+
+@contextlib.contextmanager
+def refusing(where: str) -> Iterator[None]:
+    """Turn what a malformed source raises while it is read into a refusal naming ``where``.
+
+    MONAI's parser evaluates ``$`` expressions (any exception) and hands back whatever a field
+    holds (``None``, numbers, strings where components or sizes belong); nnU-Net's plans handler
+    indexes what ``plans.json`` holds. ``tilewise import-model`` answers every refusal with one line
+    and exit status 2, never a traceback. A :class:`~models.errors.ModelError` passes unchanged.
+
+    Raises:
+        ImportRefusedError: anything else raised inside the block, with its type and message.
+    """
+    try:
+        yield
+    except ModelError:
+        raise
+    except Exception as exc:  # the config's own expressions and values raise any type
+        cause = exc.__cause__ if isinstance(exc, RuntimeError) and exc.__cause__ is not None else None
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        if cause is not None:
+            detail += f" ({type(cause).__name__}: {' '.join(str(cause).split())})"
+        raise ImportRefusedError(f"{where}: {detail}") from exc
 
 
 def model_name(text: str) -> str:

@@ -18,11 +18,16 @@ The folds become one :class:`~models.importers.convert.MeanOfNets` (the mean of 
 the softmax, as ``nnUNetPredictor`` averages them), wrapped in
 :class:`~models.importers.convert.PadToShape` (nnU-Net zero-pads inputs smaller than the patch,
 centred) and :class:`~models.importers.convert.PermuteAxes` (the reader's axis order); ``tta=mirror``
-averages logits too (``output.tta_average: logits``). Tiles of the patch size overlap by half a
-patch, as nnU-Net's ``tile_step_size=0.5``, blended with linear ramps (``triangular``) rather than
-nnU-Net's gaussian (sigma patch / 8): on the test's CT-like volume (64 x 64 x 40, two windows per
-axis, random-weight instance-norm folds) the labels agree with the whole-volume pass on 71.2 % of
-the voxels, against 70.6 % for ``nnUNetPredictor`` and 70.5 % for a gaussian blend.
+averages logits too (``output.tta_average: logits``).
+
+Windows are nnU-Net's (``padding: centred-nnunet``, :class:`tiling.Placement`): an axis shorter than
+the patch is zero-padded to it, ``(patch - size) // 2`` before (``pad_nd_image``); a longer one gets
+windows of the patch spread evenly at half a patch apart at most (``tile_step_size=0.5``,
+``compute_steps_for_sliding_window``), blended with nnU-Net's gaussian (sigma patch / 8, peak at
+``patch // 2``); ``tta=mirror`` flips inside each window, as ``_internal_maybe_mirror_and_predict``.
+The alignment is per axis, the product of the pooling strides along it (``pool_op_kernel_sizes``:
+strides ``(1, 2, 2)`` twice and ``(2, 2, 2)`` make alignment ``(2, 8, 8)`` in nnU-Net's axis order),
+so the patch itself is a valid tile.
 
 Not reproduced (noted in the spec's header): nnU-Net crops the image to its non-zero bounding box
 before normalizing and predicting (identical where the image has no all-zero border), resamples
@@ -51,6 +56,7 @@ from models.importers.convert import (
     WrittenModel,
     export_network,
     model_name,
+    refusing,
     write_model,
 )
 from models.importers.probe import probe_network
@@ -221,11 +227,16 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
     if not paths:
         raise ImportRefusedError(f"{source}: no fold_*/checkpoint_final.pth")
     checkpoints = [_checkpoint(p) for p in paths]
-    nets, config, configuration, channels, out_channels = _networks(source, plans, dataset, checkpoints)
-    patch = [int(p) for p in config.patch_size]
-    dims = len(patch)
-    order, reorient = _axis_order(plans, dims)
-    preprocess = _normalization(plans, config.configuration, channels)
+    with refusing(f"{source} (plans.json, dataset.json)"):
+        if not isinstance(plans, dict) or not isinstance(dataset, dict):
+            raise ImportRefusedError(f"{source}: plans.json and dataset.json must each hold a mapping")
+        nets, config, configuration, channels, out_channels = _networks(source, plans, dataset, checkpoints)
+        patch = [int(p) for p in config.patch_size]
+        dims = len(patch)
+        order, reorient = _axis_order(plans, dims)
+        preprocess = _normalization(plans, config.configuration, channels)
+        strides = [int(s) for s in np.prod(np.asarray(config.pool_op_kernel_sizes, dtype=np.int64), axis=0)]
+        labels = {int(v): str(k) for k, v in dataset["labels"].items() if k != "ignore"}
     core = MeanOfNets(nets).eval()
     name = name or model_name(f"{plans.get('dataset_name', source.parent.name)}-{configuration}")
     identity = order == list(range(dims))
@@ -236,14 +247,14 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
 
     tile = [0] * dims
     spacing = [0.0] * dims
+    align = [1] * dims  # per axis: the product of the pooling strides along it
     for i, axis in enumerate(order):
         tile[axis] = patch[i]
         spacing[axis] = float(config.spacing[i])
+        align[axis] = strides[i]
     net = core if identity else PermuteAxes(core, order)
-    strides = np.prod(np.asarray(config.pool_op_kernel_sizes, dtype=np.int64), axis=0)
-    alignment = math.lcm(*(int(s) for s in strides))
     facts = probe_network(
-        net, name=name, spatial_dims=dims, in_channels=channels, tile_shape=tile, alignment=alignment
+        net, name=name, spatial_dims=dims, in_channels=channels, tile_shape=tile, alignment=math.lcm(*align)
     )
     mirror = mirror_axes(checkpoints[0].get("inference_allowed_mirroring_axes"), order)
     models_dir.mkdir(parents=True, exist_ok=True)
@@ -254,11 +265,10 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         fmt=fmt,
         in_channels=channels,
         core_shape=patch,
-        check_shapes=[[max(alignment, t // 2 // alignment * alignment) for t in tile], tile],
+        check_shapes=[[max(a, t // 2 // a * a) for t, a in zip(tile, align, strict=True)], tile],
         wrap=wrap,
         name=name,
     )
-    labels = {int(v): str(k) for k, v in dataset["labels"].items() if k != "ignore"}
     mapping: dict[str, Any] = {
         "name": name,
         "description": f"nnU-Net v2 {plans.get('dataset_name', '')} {configuration}, folds "
@@ -267,11 +277,12 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         "spatial_dims": dims,
         "in_channels": channels,
         "out_channels": out_channels,
-        "alignment": alignment,
+        "alignment": align if len(set(align)) > 1 else align[0],
         "scale": 1,
         "tile_dependent": facts.tile_dependent,
         "spacing": spacing,
         **({"orientation": "RAS"} if reorient else {}),
+        "padding": "centred-nnunet",
         "labels": labels,
         "preprocess": preprocess,
         "output": {"activation": "softmax", "kind": "labels", "tta_average": "logits"},
@@ -279,7 +290,7 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
             "tile": tile,
             "halo": 0 if facts.tile_dependent else "auto",
             "overlap": [t // 2 for t in tile] if facts.tile_dependent else 0,
-            "blend": "triangular" if facts.tile_dependent else "constant",
+            "blend": "gaussian" if facts.tile_dependent else "constant",
             "batch_size": 1,
             "tta": "mirror" if mirror is not None else "none",
         },
@@ -293,5 +304,6 @@ def import_nnunet(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         f"tilewise import-model {source} (nnU-Net v2 {configuration}, trainer {trainer})",
         f"{len(nets)} fold(s) averaged as logits; {fmt} parity with the eager folds: max abs diff {diff:.2g}",
         "not reproduced: cropping to the non-zero bounding box, spline resampling, float16 accumulation",
+        "windows placed as nnU-Net places them (padding: centred-nnunet); smaller inputs padded, centred",
     ]
     return write_model(mapping, weights, models_dir, "\n".join(notes))

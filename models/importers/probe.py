@@ -8,8 +8,9 @@ Shapes: ``C`` input channels, ``S`` spatial axes; every probe input is ``(1, C, 
    one runs and returns ``(1, C_out, *S')``. Output channels and ``scale = S' / S`` (an integer)
    come from that run.
 2. **Alignment** (the smallest size divisor that works): per axis, the sizes ``base + d`` for
-   ``d = 1, 2, ...`` until one runs and returns exactly ``(base + d) * scale`` voxels; the spec's
-   single ``alignment`` is the lcm over the axes, checked once more at ``base + 2 * alignment``.
+   ``d = 1, 2, ...`` until one runs and returns exactly ``(base + d) * scale`` voxels
+   (``alignment_per_axis``, checked together at ``base + 2 * d`` per axis); ``alignment`` is their
+   lcm, checked once more at ``base + 2 * alignment``.
 3. **Tile dependence**: :func:`models.dependence.probe_tile_dependence` at the network's window.
 4. **Receptive field** (local networks only): the impulse probe of :mod:`models.receptive` on
    inputs long along one axis and narrow on the others, grown while the response reaches the
@@ -58,6 +59,7 @@ class NetworkFacts:
         receptive_field: radius per axis (voxels), ``None`` when unbounded within the probes.
         tile_dependent: the tile-dependence probe's verdict.
         seconds: wall time of all probes.
+        alignment_per_axis: the smallest size divisor of each axis (their lcm is ``alignment``).
     """
 
     spatial_dims: int
@@ -68,6 +70,7 @@ class NetworkFacts:
     receptive_field: tuple[int, ...] | None
     tile_dependent: bool
     seconds: float
+    alignment_per_axis: tuple[int, ...] = ()
 
 
 class _Net:
@@ -125,7 +128,7 @@ def _layout(
     raise ImportRefusedError(f"{name}: no input layout runs ({tried}): cannot tell spatial_dims, in_channels")
 
 
-def _alignment(run: Run, name: str, dims: int, channels: int, scale: int, base: int) -> int:
+def _alignment(run: Run, name: str, dims: int, channels: int, scale: int, base: int) -> tuple[int, ...]:
     per_axis = []
     for axis in range(dims):
         for d in range(1, base + 1):
@@ -139,7 +142,10 @@ def _alignment(run: Run, name: str, dims: int, channels: int, scale: int, base: 
     check = [base + 2 * alignment] * dims
     if not _fits(run, channels, check, scale):
         raise ImportRefusedError(f"{name}: alignment {alignment} measured, but size {check} fails")
-    return alignment
+    odd = [base + 2 * a for a in per_axis]  # each axis at its own step
+    if len(set(per_axis)) > 1 and not _fits(run, channels, odd, scale):
+        return (alignment,) * dims
+    return tuple(per_axis)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -196,8 +202,10 @@ def probe_network(
     """
     start = time.perf_counter()
     dims, channels, out_channels, scale, base = _layout(run, name, spatial_dims, in_channels)
+    per_axis: tuple[int, ...] = ()
     if alignment is None:
-        alignment = _alignment(run, name, dims, channels, scale, base)
+        per_axis = _alignment(run, name, dims, channels, scale, base)
+        alignment = math.lcm(*per_axis)
     else:
         for size in (base + alignment, base + 2 * alignment):
             if not _fits(run, channels, [size] * dims, scale):
@@ -215,7 +223,15 @@ def probe_network(
         radius, _ = _receptive_field(_Net(run, dims, channels, alignment, scale))
         dependent = radius is None
     facts = NetworkFacts(
-        dims, channels, out_channels, alignment, scale, radius, dependent, time.perf_counter() - start
+        dims,
+        channels,
+        out_channels,
+        alignment,
+        scale,
+        radius,
+        dependent,
+        time.perf_counter() - start,
+        per_axis or (alignment,) * dims,
     )
     logger.info("%s: probed %s", name, facts)
     return facts

@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
             args.out,
             in_channels=spec.in_channels,
             export_shape=tile,
-            alignment=spec.alignment,
+            alignment=spec.alignment_lcm,
             atol=args.atol,
             opset=args.opset,
             name=spec.name,

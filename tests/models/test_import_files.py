@@ -141,6 +141,20 @@ def test_what_import_refuses_for_files(tmp_path: Path, capsys: Any) -> None:
         pytest.param(lambda c: c["inferer"].update(_target_="SaliencyInferer", cam_name="GradCAM",
                                                    target_layers="x"),
                      "inferer SaliencyInferer cannot be mapped", id="inferer"),
+        # malformed configs (issue 23 item 12): one line and exit 2, never a traceback
+        pytest.param(lambda c: c["preprocessing"]["transforms"].insert(2, "$None"),
+                     "preprocessing transform 2 is None, not a component", id="none-transform"),
+        pytest.param(lambda c: c["postprocessing"]["transforms"].insert(0, 5),
+                     "postprocessing transform 0 is 5 (int), not a component", id="number-transform"),
+        pytest.param(lambda c: c.update(preprocessing="$None"),
+                     "field 'preprocessing' is None, not a list of transforms", id="none-preprocessing"),
+        pytest.param(lambda c: c.update(inferer="$None"), "field 'inferer' is None", id="none-inferer"),
+        pytest.param(lambda c: c["preprocessing"]["transforms"].insert(2, "$1/0"),
+                     "field 'preprocessing' cannot be read: ZeroDivisionError", id="failing-expression"),
+        pytest.param(lambda c: c["inferer"].update(roi_size="abc"), "roi_size: ValueError", id="roi-text"),
+        pytest.param(lambda c: c["preprocessing"]["transforms"][3].update(pixdim="x"),
+                     "transform Spacingd: ValueError", id="pixdim-text"),
+        pytest.param(lambda c: c.clear() or c.update(x=1), "field 'inferer' is missing", id="empty-config"),
     ],
 )  # fmt: skip
 def test_what_import_refuses_in_monai_bundles(tmp_path: Path, capsys: Any, edit: Any, named: str) -> None:
@@ -170,6 +184,38 @@ def test_what_import_refuses_in_nnunet_folders(tmp_path: Path, capsys: Any) -> N
     assert "no fold_*/checkpoint_final.pth" in _refused(capsys, str(folder), "--models", str(tmp_path / "m"))
     folder = write_nnunet_folder(tmp_path / "regions2", dataset=regions, folds=(0,))
     assert "region-based labels" in _refused(capsys, str(folder), "--models", str(tmp_path / "m"))
+
+
+def test_malformed_bundle_files_are_refused_in_one_line(tmp_path: Path, capsys: Any) -> None:
+    need("monai")
+    bundle = tmp_path / "bundle"
+    write_monai_bundle(bundle)
+    (bundle / "configs" / "inference.json").write_text("{not json")
+    assert "JSONDecodeError" in _refused(capsys, str(bundle), "--models", str(tmp_path / "m"))
+    (bundle / "configs" / "metadata.json").write_text("[1, 2]")
+    assert "not a mapping" in _refused(capsys, str(bundle), "--models", str(tmp_path / "m"))
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "named"),
+    [
+        ("plans.json", lambda c: c.update(configurations=None), "AttributeError"),
+        ("plans.json", lambda c: c["configurations"]["3d_fullres"].update(patch_size="ab"), "ValueError"),
+        ("plans.json", lambda c: c.update(transpose_forward="x"), "ValueError"),
+        ("dataset.json", lambda c: c.update(labels=None), "AttributeError"),
+        ("dataset.json", lambda c: c.update(channel_names=None), "TypeError"),
+    ],
+    ids=["configurations-none", "patch-text", "transpose-text", "labels-none", "channels-none"],
+)
+def test_malformed_nnunet_folders_are_refused_in_one_line(
+    tmp_path: Path, capsys: Any, name: str, edit: Any, named: str
+) -> None:
+    need("nnunetv2")
+    folder = write_nnunet_folder(tmp_path / "malformed", folds=(0,))
+    config = json.loads((folder / name).read_text())
+    edit(config)
+    (folder / name).write_text(json.dumps(config))
+    assert named in _refused(capsys, str(folder), "--models", str(tmp_path / "m"))
 
 
 def test_zipped_bundle_with_a_torchscript_network(tmp_path: Path, rng: np.random.Generator) -> None:

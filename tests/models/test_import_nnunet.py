@@ -87,7 +87,9 @@ def _from_tilewise(y: np.ndarray) -> np.ndarray:
 
 def test_import_maps_plans_and_dataset(models_dir: Path) -> None:
     spec = yaml.safe_load((models_dir / "toy-ct-3d.yaml").read_text())
-    assert spec["in_channels"] == 1 and spec["out_channels"] == 3 and spec["alignment"] == 8
+    assert spec["in_channels"] == 1 and spec["out_channels"] == 3
+    assert spec["alignment"] == [8, 8, 4]  # (x, y, z): pooling strides (4, 8, 8) in (z, y, x), per axis
+    assert spec["padding"] == "centred-nnunet"
     assert spec["tile_dependent"] is True  # instance norm
     assert spec["spacing"] == [1.0, 1.0, 2.0]  # (x, y, z): the plans' (z, y, x) reversed
     assert spec["labels"] == {0: "background", 1: "liver", 2: "tumour"}
@@ -97,7 +99,7 @@ def test_import_maps_plans_and_dataset(models_dir: Path) -> None:
     ]
     assert spec["output"] == {"activation": "softmax", "kind": "labels", "tta_average": "logits"}
     assert spec["defaults"] == {"tile": [48, 48, 32], "halo": 0, "overlap": [24, 24, 16],
-                                "blend": "triangular", "batch_size": 1, "tta": "mirror"}  # fmt: skip
+                                "blend": "gaussian", "batch_size": 1, "tta": "mirror"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
