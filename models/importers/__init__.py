@@ -83,7 +83,7 @@ def import_model(
         raise ImportRefusedError(f"--activation {activation!r} is not one of {list(ACTIVATIONS)}")
     kind = source_kind(source)
     if activation is not None and kind != "file":
-        raise ImportRefusedError(f"{source}: --activation is for TorchScript / ONNX files; a {kind} says its own")
+        raise ImportRefusedError(f"{source}: --activation is for TorchScript / ONNX files; a {kind} says it")
     if not trust:
         code = untrusted_code(source, kind)
         if code:

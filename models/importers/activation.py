@@ -66,7 +66,8 @@ def choose_activation(outputs: Sequence[np.ndarray], given: str | None, name: st
     sums = max(float(np.abs(y.sum(axis=1) - 1.0).max()) for y in outputs)
     seen = f"outputs on random inputs from {low:.3g} to {high:.3g}"
     if unit and channels > 1 and sums <= 1e-3:
-        found, measured = "none", f"{seen}, summing to 1 over the {channels} channels: softmax already applied"
+        found = "none"
+        measured = f"{seen}, summing to 1 over the {channels} channels: softmax already applied"
     elif unit:
         found, measured = "none", f"{seen}: already probabilities (a sigmoid inside the network)"
     else:

@@ -156,7 +156,7 @@ def _stride_alignment(run: Run, dims: int, channels: int, base: int) -> int:
     for size in dict.fromkeys((max(_STRIDE_PROBE[dims], base), base)):
         sizes: list[int] = []
 
-        def record(_module: nn.Module, inputs: object, output: object) -> None:
+        def record(_module: nn.Module, inputs: object, output: object, sizes: list[int] = sizes) -> None:
             for t in (*(inputs if isinstance(inputs, tuple) else (inputs,)), output):
                 if isinstance(t, torch.Tensor) and t.ndim == dims + 2:
                     sizes.extend(int(v) for v in t.shape[2:])
@@ -232,8 +232,7 @@ def probe_network(
         stride = _stride_alignment(run, dims, channels, base)
         alignment = math.lcm(measured, stride)
         if alignment != measured:
-            logger.info("%s: sizes from %d run eagerly, total stride %d: alignment %d", name, measured, stride,
-                        alignment)  # fmt: skip
+            logger.info("%s: sizes from %d run, stride %d: alignment %d", name, measured, stride, alignment)
             for size in (base + alignment, base + 2 * alignment):
                 if not _fits(run, channels, [size] * dims, scale):
                     raise ImportRefusedError(f"{name}: total stride {alignment}, but size {size} fails")

@@ -94,7 +94,8 @@ def _walk(node: Any, where: str, found: list[str]) -> None:
 def _nnunet(source: Path) -> list[str]:
     found: list[str] = []
     plans = source / "plans.json"
-    data = _parse("plans.json", plans.read_text(encoding="utf-8", errors="replace")) if plans.is_file() else None
+    text = plans.read_text(encoding="utf-8", errors="replace") if plans.is_file() else "null"
+    data = _parse("plans.json", text)
     configurations = data.get("configurations") if isinstance(data, dict) else None
     for config_name, config in (configurations or {}).items():
         arch = config.get("architecture") if isinstance(config, dict) else None
