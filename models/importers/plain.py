@@ -120,9 +120,7 @@ def spec_mapping(
     mapping["tile_dependent"] = facts.tile_dependent
     if activation is not None:
         mapping["output"] = {"activation": activation.activation, "kind": "probabilities"}
-        what = (
-            "probabilities" if activation.probabilities else "raw network values (logits), not probabilities"
-        )
+        what = "probabilities" if activation.probabilities else "raw values (logits), not probabilities"
         mapping["description"] = f"{description}; output activation {activation.activation}: {what}"
     mapping["defaults"] = defaults
     return mapping
