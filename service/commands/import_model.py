@@ -100,7 +100,8 @@ def register(subparsers: Any) -> None:
         "--example-network",
         choices=_EXAMPLE_NETWORKS,
         default="UNet",
-        help="the monai.networks.nets class in the example bundle (default: UNet)",
+        help="the monai.networks.nets class in the example bundle (default: UNet; a UNETR bundle is "
+        "refused at import: UNETR takes only its img_size)",
     )
     parser.set_defaults(run=_run)
 
