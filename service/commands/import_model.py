@@ -100,8 +100,8 @@ def register(subparsers: Any) -> None:
         "--example-network",
         choices=_EXAMPLE_NETWORKS,
         default="UNet",
-        help="the monai.networks.nets class in the example bundle (default: UNet; a UNETR bundle is "
-        "refused at import: UNETR takes only its img_size)",
+        help="the monai.networks.nets class in the example bundle (default: UNet; UNETR and SwinUNETR "
+        "bundles are refused at import: see the README's table)",
     )
     parser.set_defaults(run=_run)
 
