@@ -122,7 +122,6 @@ def _tiled(
     from tiling import tiled_inference
 
     spec = model.spec
-    predictor: Any = model.predictor if flips is None else MirroredTiles(model.predictor, flips)
     if tiled is not None:
         y = tiled(model, x, plan, reduce, progress=progress, should_stop=should_stop)
         if out is None:
@@ -133,7 +132,8 @@ def _tiled(
     def once(p: RunPlan, r: Resume | None) -> npt.NDArray[Any]:
         context = model.context
         # a shared batch (models.batching) when the service bound one; never with pool-mean state
-        predictor = model.predictor if context is not None else current_predictor(model.predictor)
+        base = model.predictor if context is not None else current_predictor(model.predictor)
+        predictor: Any = base if flips is None else MirroredTiles(base, flips)  # tta in each window
         # Whole-image pool means are state on the predictor: one global-pooling run at a time.
         with model.run_lock if context is not None else contextlib.nullcontext():
             try:

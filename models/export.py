@@ -17,7 +17,7 @@ from torch import nn
 from models.errors import BackendUnavailableError, ExportError
 from models.spec import ModelSpec
 
-__all__ = ["ExportReport", "export_onnx", "export_torchscript", "onnx_spec_mapping"]
+__all__ = ["ExportReport", "alignment_note", "export_onnx", "export_torchscript", "onnx_spec_mapping"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,26 @@ class ExportReport:
     max_abs_diff: float
     atol: float
     seconds: float
+
+
+def alignment_note(alignment: int | Sequence[int], spatial_dims: int) -> str:
+    """What sizes an exported file takes: ``"takes spatial sizes that are multiples of 16 per axis ..."``.
+
+    ``alignment`` is the spec's (one int, or one per axis). A strided network's exported graph
+    concatenates skip connections whose sizes only agree on its stride grid: other sizes fail in
+    ONNX Runtime (a Concat error) or TorchScript (a size mismatch). tilewise pads tiles to the grid;
+    a caller of the bare file must do the same.
+    """
+    per_axis = [int(alignment)] * spatial_dims if isinstance(alignment, int) else [int(a) for a in alignment]
+    if all(a == 1 for a in per_axis):
+        return "takes any spatial size (alignment 1)"
+    grid = str(per_axis[0]) if len(set(per_axis)) == 1 else "x".join(str(a) for a in per_axis)
+    example = "x".join(str(a * 3) for a in per_axis)
+    odd = "x".join(str(a * 3 - 1) for a in per_axis)
+    return (
+        f"takes only spatial sizes that are multiples of {grid} per axis (alignment, the stride grid): "
+        f"{example} runs, {odd} fails; pad inputs to the grid first"
+    )
 
 
 def _parity_input(in_channels: int, shape: Sequence[int], seed: int) -> torch.Tensor:
@@ -198,7 +218,7 @@ def onnx_spec_mapping(
     """A spec mapping for the ONNX export of ``spec`` (same channels, preprocessing and defaults)."""
     return {
         "name": name or f"{spec.name}-onnx",
-        "description": f"ONNX export of {spec.name}",
+        "description": f"ONNX export of {spec.name}; {alignment_note(spec.alignment, spec.spatial_dims)}",
         "backend": "onnx",
         "file": onnx_path.name,
         "sha256": sha256,

@@ -344,6 +344,7 @@ class ModelSpec(BaseModel):
             "tile_dependent": self.tile_dependent,
             "mirror_axes": list(self.mirror_axes or ()),
             "frame": None if self.frame is None else self.frame.model_dump(mode="json"),
+            "output": self.output.model_dump(mode="json"),
         }
 
     def with_receptive_field(self, radius: tuple[int, ...]) -> ModelSpec:

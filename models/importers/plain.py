@@ -4,6 +4,8 @@ A TorchScript file is a zip archive holding ``code/`` (``torch.jit.save``); a ``
 dict is refused (it has no architecture: write an eager spec, README "Serve your own model"). An
 ONNX file is a protobuf ``ModelProto``. The layout hints are the ONNX graph's input shape, or the
 first convolution weight ``(C_out, C_in, *k)`` of a TorchScript module; the probes check them.
+The output activation is ``--activation``'s, else chosen from the outputs on random inputs
+(:mod:`models.importers.activation`), and said in the spec's description and comment.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from models.errors import ImportRefusedError
+from models.importers.activation import ActivationChoice, choose_activation
 from models.importers.convert import FORMATS, WrittenModel, model_name, write_model
 from models.importers.probe import NetworkFacts, probe_network
 
@@ -81,8 +85,16 @@ def default_tile(spatial_dims: int, alignment: int) -> int:
     return -(-tile // alignment) * alignment
 
 
-def spec_mapping(facts: NetworkFacts, name: str, backend: str, description: str) -> dict[str, Any]:
+def spec_mapping(
+    facts: NetworkFacts,
+    name: str,
+    backend: str,
+    description: str,
+    activation: ActivationChoice | None = None,
+) -> dict[str, Any]:
     """The spec of a probed network: measured facts, ``halo: auto`` for local networks.
+
+    ``activation`` (when given) becomes ``output.activation`` and is said in the description.
 
     A tile-dependent network gets no halo (no halo makes it exact) but overlapping tiles blended
     with linear ramps (``triangular``), which agree with the whole-image pass better than nnU-Net's
@@ -106,8 +118,24 @@ def spec_mapping(facts: NetworkFacts, name: str, backend: str, description: str)
     if facts.receptive_field is not None:
         mapping["receptive_field"] = list(facts.receptive_field)
     mapping["tile_dependent"] = facts.tile_dependent
+    if activation is not None:
+        mapping["output"] = {"activation": activation.activation, "kind": "probabilities"}
+        what = "probabilities" if activation.probabilities else "raw values (logits), not probabilities"
+        mapping["description"] = f"{description}; output activation {activation.activation}: {what}"
     mapping["defaults"] = defaults
     return mapping
+
+
+def _sample_outputs(run: Any, facts: NetworkFacts) -> list[np.ndarray]:
+    """The network's outputs on three random inputs of a small aligned size (for the activation)."""
+    size = -(-(32 if facts.spatial_dims == 3 else 64) // facts.alignment) * facts.alignment
+    outputs = []
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn((1, facts.in_channels, *[size] * facts.spatial_dims), generator=generator)
+        with torch.inference_mode():
+            outputs.append(np.asarray(run(x), dtype=np.float32))
+    return outputs
 
 
 def _probe_summary(facts: NetworkFacts) -> str:
@@ -119,7 +147,9 @@ def _probe_summary(facts: NetworkFacts) -> str:
     )
 
 
-def import_file(source: Path, *, name: str | None, models_dir: Path, fmt: str | None) -> WrittenModel:
+def import_file(
+    source: Path, *, name: str | None, models_dir: Path, fmt: str | None, activation: str | None = None
+) -> WrittenModel:
     """Import a TorchScript (``.pt``, ``.ts``) or ONNX (``.onnx``) file into ``models_dir``.
 
     Args:
@@ -127,10 +157,13 @@ def import_file(source: Path, *, name: str | None, models_dir: Path, fmt: str | 
         name: the model name (default: from the file name).
         models_dir: where ``NAME.yaml`` and the weights go.
         fmt: ``torchscript`` or ``onnx``; ``None`` keeps the file's own format (copied as is).
+        activation: ``softmax``, ``sigmoid`` or ``none``; ``None``: chosen from the outputs
+            (:func:`models.importers.activation.choose_activation`).
 
     Raises:
         ImportRefusedError: not TorchScript/ONNX, a state dict, an ONNX file asked for as
-            TorchScript, or a network the probes cannot make sense of.
+            TorchScript, a network the probes cannot make sense of, or an ``activation`` that would
+            squash outputs already in [0, 1].
         ExportError: the TorchScript-to-ONNX conversion failed or lost parity.
     """
     if source.suffix.lower() == ".onnx":
@@ -150,6 +183,7 @@ def import_file(source: Path, *, name: str | None, models_dir: Path, fmt: str | 
     name = name or model_name(source.stem)
     run, dims, channels = _load(source, kind)
     facts = probe_network(run, name=name, spatial_dims=dims, in_channels=channels)
+    chosen = choose_activation(_sample_outputs(run, facts), activation, name)
     models_dir.mkdir(parents=True, exist_ok=True)
     weights = models_dir / f"{name}{FORMATS[target]}"
     if target == kind == "onnx":  # one self-contained file: external data (x.onnx.data) folded in
@@ -177,6 +211,6 @@ def import_file(source: Path, *, name: str | None, models_dir: Path, fmt: str | 
             name=name,
         )
     description = f"{source.name}, imported by tilewise import-model"
-    mapping = spec_mapping(facts, name, target, description)
-    comment = f"tilewise import-model {source.name}\n{_probe_summary(facts)}"
+    mapping = spec_mapping(facts, name, target, description, chosen)
+    comment = f"tilewise import-model {source.name}\n{_probe_summary(facts)}\nactivation: {chosen.reason}"
     return write_model(mapping, weights, models_dir, comment)

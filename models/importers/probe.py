@@ -10,7 +10,12 @@ Shapes: ``C`` input channels, ``S`` spatial axes; every probe input is ``(1, C, 
 2. **Alignment** (the smallest size divisor that works): per axis, the sizes ``base + d`` for
    ``d = 1, 2, ...`` until one runs and returns exactly ``(base + d) * scale`` voxels
    (``alignment_per_axis``, checked together at ``base + 2 * d`` per axis); ``alignment`` is their
-   lcm, checked once more at ``base + 2 * alignment``.
+   lcm and the network's total stride, checked once more at ``base + 2 * alignment``. The total
+   stride (eager modules only) is read from the feature maps of one pass at 64 voxels per axis
+   (3-D; 256 in 2-D): input size over the smallest feature map larger than one voxel. It matters
+   for networks that pad or crop their skip connections to make any size run eagerly (MONAI's
+   ``BasicUNet``): their traced graph keeps the pads of the traced size, so only sizes on the
+   stride grid (where the pads are zero) run exported; such a network gets that stride on every axis.
 3. **Tile dependence**: :func:`models.dependence.probe_tile_dependence` at the network's window.
 4. **Receptive field** (local networks only): the impulse probe of :mod:`models.receptive` on
    inputs long along one axis and narrow on the others, grown while the response reaches the
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from models.dependence import probe_tile_dependence
 from models.errors import ImportRefusedError
@@ -42,6 +48,7 @@ _BASES = {3: (32, 64, 128), 2: (64, 128, 256), 1: (256, 1024)}
 _CHANNELS = (1, 3, 2, 4)
 _FIRST_PROBE = {1: 1024, 2: 128, 3: 40}
 _MAX_PROBE = {1: 8192, 2: 1024, 3: 96}
+_STRIDE_PROBE = {1: 1024, 2: 256, 3: 64}
 
 Run = Callable[[torch.Tensor], torch.Tensor]
 
@@ -148,6 +155,30 @@ def _alignment(run: Run, name: str, dims: int, channels: int, scale: int, base: 
     return tuple(per_axis)
 
 
+def _stride_alignment(run: Run, dims: int, channels: int, base: int) -> int:
+    """The total stride of an eager ``nn.Module`` from its feature maps (1 when it cannot be read)."""
+    if not isinstance(run, nn.Module) or isinstance(run, torch.jit.ScriptModule):
+        return 1
+    for size in dict.fromkeys((max(_STRIDE_PROBE[dims], base), base)):
+        sizes: list[int] = []
+
+        def record(_module: nn.Module, inputs: object, output: object, sizes: list[int] = sizes) -> None:
+            for t in (*(inputs if isinstance(inputs, tuple) else (inputs,)), output):
+                if isinstance(t, torch.Tensor) and t.ndim == dims + 2:
+                    sizes.extend(int(v) for v in t.shape[2:])
+
+        handles = [m.register_forward_hook(record) for m in run.modules()]
+        try:
+            found = _output(run, channels, (size,) * dims) is not None
+        finally:
+            for handle in handles:
+                handle.remove()
+        if found:
+            ratios = [size // s for s in sizes if 1 < s < size and size % s == 0]
+            return max(ratios, default=1)
+    return 1
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -205,7 +236,15 @@ def probe_network(
     per_axis: tuple[int, ...] = ()
     if alignment is None:
         per_axis = _alignment(run, name, dims, channels, scale, base)
-        alignment = math.lcm(*per_axis)
+        measured = math.lcm(*per_axis)
+        stride = _stride_alignment(run, dims, channels, base)
+        alignment = math.lcm(measured, stride)
+        if alignment != measured:
+            logger.info("%s: sizes from %d run, stride %d: alignment %d", name, measured, stride, alignment)
+            for size in (base + alignment, base + 2 * alignment):
+                if not _fits(run, channels, [size] * dims, scale):
+                    raise ImportRefusedError(f"{name}: total stride {alignment}, but size {size} fails")
+            per_axis = (alignment,) * dims
     else:
         for size in (base + alignment, base + 2 * alignment):
             if not _fits(run, channels, [size] * dims, scale):

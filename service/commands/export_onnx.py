@@ -30,7 +30,9 @@ def register(subparsers: Any) -> None:
         description=(
             "Export MODEL (an eager or analytic model of the repository) to OUT with dynamic batch "
             "and spatial axes, then compare ONNX Runtime with eager PyTorch on a random input of "
-            "another size. Prints the max abs difference; exits 1 above --atol."
+            "another size. Prints the max abs difference and the sizes the file takes (a strided "
+            "network's graph takes only sizes on its stride grid, the spec's alignment); exits 1 "
+            "above --atol."
         ),
     )
     parser.add_argument("model", metavar="MODEL", help="model name")
@@ -51,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
     import yaml
 
     from models import ExportError, ModelError, ModelRepository
-    from models.export import export_onnx, onnx_spec_mapping
+    from models.export import alignment_note, export_onnx, onnx_spec_mapping
     from models.weights import sha256_file
 
     models_dir = args.models or os.environ.get("TILEWISE_MODELS_DIR")
@@ -91,6 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     sys.stdout.write(
         f"{args.out}: max abs difference {report.max_abs_diff:.3g} (atol {report.atol:g}) "
         f"on input {report.parity_shape}\n"
+        f"{args.out}: {alignment_note(spec.alignment, spec.spatial_dims)}\n"
     )
     if args.spec:
         spec_path = args.out.with_suffix(".yaml")

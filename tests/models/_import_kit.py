@@ -20,8 +20,11 @@ def need(module: str) -> ModuleType:
         pytest.skip(reason)
 
 
-def write_monai_bundle(root, *, roi=(48, 48, 48), norm="batch", seed=0):
+def write_monai_bundle(root, *, roi=(48, 48, 48), norm="batch", seed=0, code=False):
     """A MONAI bundle as MONAI lays one out, with a random-weight ``monai.networks.nets.UNet``.
+
+    ``code=True`` adds the ``$`` expressions model-zoo bundles carry (``imports``, ``device``,
+    ``network``, ``output_dir``): importing that bundle then needs ``--trust`` (issue 24 item 7).
 
     ``configs/metadata.json`` (channels, label names), ``configs/inference.json`` (Orientationd +
     Spacingd + ScaleIntensityRanged, SlidingWindowInferer, softmax + argmax post-transforms) and
@@ -75,13 +78,10 @@ def write_monai_bundle(root, *, roi=(48, 48, 48), norm="batch", seed=0):
             "network_data_format": {"inputs": {"image": image}, "outputs": {"pred": pred}}}  # fmt: skip
     key = "@image_key"
     config = {
-        "imports": ["$import glob", "$import os"],
         "bundle_root": ".",
         "image_key": "image",
-        "output_dir": "$@bundle_root + '/eval'",
-        "device": "$torch.device('cpu')",
+        "output_dir": "eval",
         "network_def": {"_target_": "UNet", **arch, "num_res_units": 1, "norm": norm},
-        "network": "$@network_def.to(@device)",
         "preprocessing": {"_target_": "Compose", "transforms": [
             {"_target_": "LoadImaged", "keys": key},
             {"_target_": "EnsureChannelFirstd", "keys": key},
@@ -101,6 +101,9 @@ def write_monai_bundle(root, *, roi=(48, 48, 48), norm="batch", seed=0):
             {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "resample": False},
         ]},
     }  # fmt: skip
+    if code:
+        config.update({"imports": ["$import glob", "$import os"], "output_dir": "$@bundle_root + '/eval'",
+                       "device": "$torch.device('cpu')", "network": "$@network_def.to(@device)"})  # fmt: skip
     (root / "configs" / "metadata.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     (root / "configs" / "inference.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return net.eval()

@@ -68,3 +68,23 @@ def test_export_onnx_fails_above_tolerance(tmp_path: Path, capsys: pytest.Captur
     )
     out = capsys.readouterr().out
     assert status == 1 and "FAILED" in out and "differs from eager" in out
+
+
+def test_export_onnx_says_the_stride_grid_and_the_file_keeps_to_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 25 item 5: the output names the sizes the file takes; onnxruntime agrees on both counts."""
+    import numpy as np
+    import onnxruntime as ort
+    import yaml
+
+    out = tmp_path / "tissue.onnx"
+    assert main(["export-onnx", "tissue-3d", str(out), "--tile", "32", "--spec"]) == 0
+    printed = capsys.readouterr().out
+    assert "multiples of 4 per axis" in printed and "12x12x12 runs, 11x11x11 fails" in printed, printed
+    assert "multiples of 4 per axis" in yaml.safe_load(out.with_suffix(".yaml").read_text())["description"]
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    assert session.run(None, {name: np.zeros((1, 1, 12, 12, 12), np.float32)})[0].shape[2:] == (12, 12, 12)
+    with pytest.raises(Exception):  # noqa: B017 - onnxruntime's own error types (a Concat mismatch)
+        session.run(None, {name: np.zeros((1, 1, 11, 11, 11), np.float32)})

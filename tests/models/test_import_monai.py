@@ -35,14 +35,14 @@ pytestmark = [
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     need("monai")
     root = tmp_path_factory.mktemp("bundles") / "tissue_unet"
-    write_monai_bundle(root)
+    write_monai_bundle(root, code=True)  # model-zoo style: $ expressions, imported with --trust
     return root
 
 
 @pytest.fixture(scope="module")
 def models_dir(bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("models")
-    assert main(["import-model", str(bundle), "--models", str(folder)]) == 0
+    assert main(["import-model", str(bundle), "--models", str(folder), "--trust"]) == 0
     return folder
 
 

@@ -1,7 +1,8 @@
 """README "Serve your own model": every example runs as written, in an empty folder.
 
-The MONAI bundle (``tissue_bundle``) and the nnU-Net folder (``nnUNet_results/...``) that the
-examples import are written first by the test kit, as a user would have them.
+The nnU-Net folder (``nnUNet_results/...``) that the examples import is written first by the test
+kit, as a user would have it; the MONAI bundle (``tissue_bundle``) is written by the README itself
+(``tilewise import-model --example-bundle``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import nibabel as nib
 import yaml
-from _import_kit import need, write_monai_bundle, write_nnunet_folder
+from _import_kit import need, write_nnunet_folder
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -31,7 +32,6 @@ def test_readme_examples_run_as_written(tmp_path: Path) -> None:
     need("nnunetv2")
     blocks = re.findall(r"```bash\n(.*?)\n```", _section(), re.S)
     assert len(blocks) == 5  # ANAT, TorchScript/ONNX, eager, MONAI bundle, nnU-Net
-    write_monai_bundle(tmp_path / "tissue_bundle")
     write_nnunet_folder(tmp_path / "nnUNet_results")
     script = "set -euo pipefail\n" + "\n".join(blocks)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

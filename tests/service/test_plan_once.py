@@ -71,7 +71,10 @@ def test_plan_header_and_tta_over_http(client, tmp_path: Path) -> None:
     # 90x300 with tile 64, halo 4: 2 x 6 tiles, sized to the image (49 x 57); mirror runs them once
     # per flip of the 2 axes
     assert plain.headers["x-tilewise-plan"] == "tile=49,57; halo=4,4; overlap=0,0; tiles=12; work=1.24"
-    assert mirrored.headers["x-tilewise-plan"] == "tile=49,57; halo=4,4; overlap=0,0; tiles=48; work=4.97; passes=4"
+    assert (
+        mirrored.headers["x-tilewise-plan"]
+        == "tile=49,57; halo=4,4; overlap=0,0; tiles=48; work=4.97; passes=4"
+    )
     bad = client.post("/v1/models/gaussian-2d/infer", content=body, params={"tta": "flip"})
     assert bad.status_code == 400 and "tta='flip'" in bad.json()["detail"]
     assert client.get("/v1/models/gaussian-2d").json()["defaults"]["tta"] == "none"
