@@ -61,6 +61,18 @@ class SeamPolicy:
         with self._lock:
             return None if self._probe is None else self._probe.tile_dependent
 
+    @property
+    def probe(self) -> TileDependence | None:
+        """The probe's result, ``None`` before it ran (:mod:`models.measured` stores it)."""
+        with self._lock:
+            return self._probe
+
+    def restore(self, probe: TileDependence | None) -> None:
+        """Take a stored probe result as if run here."""
+        with self._lock:
+            if self._probe is None:
+                self._probe = probe
+
     def tile_dependent(self) -> bool:
         """:attr:`known`, else the probe's verdict, probing now (once: two or three forward passes
         over one tile of the spec's default shape). A tile too small to probe counts as local."""

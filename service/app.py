@@ -12,7 +12,7 @@ import asyncio
 import functools
 import logging
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -54,16 +54,25 @@ def _device_name(settings: Settings) -> str:
     return str(resolve_device(settings.device))
 
 
-def _load_repository(settings: Settings) -> Any:
+def _load_repository(settings: Settings, built: Callable[[Any], object] | None = None) -> Any:
     """Build the model repository and warm it up (runs in a worker thread).
 
     A model that fails (spec, weights, warm-up check) is listed as unavailable with its reason;
-    with ``TILEWISE_STRICT_MODELS=true`` the failure stops the start-up instead.
+    with ``TILEWISE_STRICT_MODELS=true`` the failure stops the start-up instead. ``built`` is
+    given the repository before the warm-up (``/readyz`` then names the models still warming).
+    Measurements stored by an earlier start are reused (:mod:`models.measured`).
     """
     from models import ModelRepository
 
     fix_mmap_threshold(settings.mmap_threshold_bytes)  # before the warm-up measures footprints
-    repository = ModelRepository(settings.models_dir, device=settings.device, strict=settings.strict_models)
+    repository = ModelRepository(
+        settings.models_dir,
+        device=settings.device,
+        strict=settings.strict_models,
+        measurements_dir=settings.measurements_dir,
+    )
+    if built is not None:
+        built(repository)
     names = repository.names()
     logger.info("loaded %d models on %s: %s", len(names), _device_name(settings), ", ".join(names))
     if settings.warmup:
@@ -101,7 +110,8 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         app.state.workroot = await anyio.to_thread.run_sync(WorkRoot.open, settings.tmp_dir)
         repo = repository
         if repo is None:
-            repo = await anyio.to_thread.run_sync(_load_repository, settings)
+            built = functools.partial(setattr, app.state, "warming")
+            repo = await anyio.to_thread.run_sync(_load_repository, settings, built)
         device = await anyio.to_thread.run_sync(_device_name, settings)
         executor = DeviceExecutor(
             device,

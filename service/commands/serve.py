@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,13 @@ _work = argparse_number(float, 0.0, strict=True)
 #: ``(option, Settings field, argparse type, help)``; the variable is ``TILEWISE_<FIELD>``.
 _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--models", "models_dir", Path, "model folder (default: ~/.cache/tilewise/models)"),
+    ("--measurements-dir", "measurements_dir", Path, "warm-up measurements (~/.cache/tilewise/measurements)"),
     ("--device", "device", str, "cpu, cuda, cuda:N or mps (default: CUDA when available)"),
     ("--queue-size", "queue_size", _count, "requests allowed to wait for the device (default: 8)"),
     ("--max-upload-bytes", "max_upload_bytes", _positive, "largest upload, bytes (default: 2 GiB)"),
     ("--max-voxels", "max_voxels", _positive, "largest image, voxels (default: 2**30)"),
-    ("--max-image-pixels", "max_image_pixels", _positive, "decompression-bomb limit of 2D images"),
-    ("--api-key", "api_key", str, "key required on /v1 (Bearer); better the variable: ps shows argv"),
+    ("--max-image-pixels", "max_image_pixels", _positive, "2D image bomb limit, pixels (89478485)"),
+    ("--api-key", "api_key", str, "key required on /v1 (Bearer); prefer the variable: ps shows argv (none)"),
     ("--retry-after", "retry_after_s", _count, "Retry-After seconds sent with 503 (default: 2)"),
     ("--tmp-dir", "tmp_dir", Path, "folder of temporary upload/result files (default: the system's)"),
     ("--graceful-shutdown", "graceful_shutdown_s", _count, "on SIGTERM, seconds to finish requests (120)"),
@@ -39,9 +41,9 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--max-batch-size", "max_batch_size", _positive, "largest batch_size of a request (256)"),
     ("--max-tiles", "max_tiles", _positive, "most tiles one request may run (65536)"),
     ("--max-work", "max_work", _work, "most voxels through the network per input voxel (64)"),
-    ("--max-request-bytes", "max_request_bytes", _positive, "most memory one request's plan may predict"),
-    ("--max-decoded-bytes", "max_decoded_bytes", _positive, "bytes an input may inflate to"),
-    ("--memory-budget", "memory_budget", argparse_bytes, "memory a plan should fit (300MB, 2GiB)"),
+    ("--max-request-bytes", "max_request_bytes", _positive, "most memory a request may use (half the RAM)"),
+    ("--max-decoded-bytes", "max_decoded_bytes", _positive, "bytes an input may inflate to (max-request)"),
+    ("--memory-budget", "memory_budget", argparse_bytes, "memory a plan should fit: 300MB, 2GiB (unset)"),
     ("--mmap-threshold", "mmap_threshold_bytes", _count, "glibc mmap threshold, bytes (131072; 0: glibc's)"),
     ("--max-uploads", "max_uploads", _positive, "uploads in progress at once (16)"),
     ("--upload-min-rate", "upload_min_rate", _count, "bytes/s an upload must average (16384)"),
@@ -71,6 +73,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     for option, field, kind, text in _SETTINGS:
         env = f"TILEWISE_{field.upper()}"
+        text = with_default(text)
         parser.add_argument(
             option, dest=field, type=kind, default=None, metavar=env[9:], help=f"{text}; {env}"
         )
@@ -80,7 +83,8 @@ def register(sub: Any) -> None:
         action="store_const",
         const=False,
         default=None,
-        help="skip the warm-up run of each model at start-up; TILEWISE_WARMUP=false",
+        help="skip the warm-up run of each model at start-up (default: warm up, reusing the "
+        "measurements an earlier start stored); TILEWISE_WARMUP=false",
     )
     parser.add_argument(
         "--strict-models",
@@ -92,6 +96,19 @@ def register(sub: Any) -> None:
         "TILEWISE_STRICT_MODELS=true",
     )
     parser.set_defaults(run=_run)
+
+
+def with_default(text: str) -> str:
+    """``"... (120)"`` -> ``"... (default: 120)"``: every option states its default.
+
+    >>> with_default("seconds to finish requests (120)")
+    'seconds to finish requests (default: 120)'
+    >>> with_default("model folder (default: ~/.cache/tilewise/models)")
+    'model folder (default: ~/.cache/tilewise/models)'
+    """
+    if "(default" in text:
+        return text
+    return re.sub(r"\(([^()]*)\)$", r"(default: \1)", text)
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
