@@ -55,7 +55,10 @@ def session_measurements_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _scrub_env(
-    monkeypatch: pytest.MonkeyPatch, empty_models_dir: Path, session_web_dir: Path, session_measurements_dir: Path
+    monkeypatch: pytest.MonkeyPatch,
+    empty_models_dir: Path,
+    session_web_dir: Path,
+    session_measurements_dir: Path,
 ) -> None:
     """Remove every ``TILEWISE_*`` environment variable for the duration of a test, and point
     ``TILEWISE_MODELS_DIR`` at an empty folder and ``TILEWISE_WEB_DIR`` at the session's: no test
