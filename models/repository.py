@@ -61,6 +61,9 @@ class ModelRepository:
         device: torch device for every model (``None``: CUDA when available, else CPU).
         providers: ONNX Runtime execution providers (default: TensorRT, CUDA, CPU as available).
         strict: raise on the first model that fails (else list it as unavailable).
+        user_models_dir: the folder ``tilewise setup-models`` fills (default
+            ``TILEWISE_USER_MODELS_DIR``, else :data:`DEFAULT_MODELS_DIR`): when ``models_dir`` is
+            another folder, its models are added too (``models_dir`` wins a name); ``False``: not.
         measurements_dir: where warm-up measurements of built-in models (and of a read-only
             ``models_dir``) are kept (:mod:`models.measured`; default ``TILEWISE_MEASUREMENTS_DIR``,
             else :data:`~models.measured.DEFAULT_MEASUREMENTS_DIR`); ``False``: none are read or kept.
@@ -78,8 +81,12 @@ class ModelRepository:
         providers: Sequence[str] | None = None,
         strict: bool = False,
         measurements_dir: Path | str | bool | None = None,
+        user_models_dir: Path | str | bool | None = None,
     ) -> None:
         self.models_dir = Path(models_dir if models_dir is not None else DEFAULT_MODELS_DIR).expanduser()
+        if user_models_dir is None:
+            user_models_dir = os.environ.get("TILEWISE_USER_MODELS_DIR") or DEFAULT_MODELS_DIR
+        user = None if user_models_dir is False else Path(str(user_models_dir)).expanduser()
         if measurements_dir is None:
             measurements_dir = os.environ.get("TILEWISE_MEASUREMENTS_DIR") or None
         self.measurements = (
@@ -104,10 +111,25 @@ class ModelRepository:
                 self._add_file(path, own, builtins)
         if TEXT_DET_NAME not in self._specs and (self.models_dir / TEXT_DET_FILE).is_file():
             self.add(text_det_spec(self.models_dir))
+        if user is not None and user.is_dir() and user.resolve() != self.models_dir.resolve():
+            self._add_user_models(user, set(own) | set(self._specs) | set(self._unavailable))
         ready = [n for n in self.names() if n not in self._unavailable]
         logger.info("model repository %s: %s", self.models_dir, ", ".join(ready))
         for name, why in sorted(self._unavailable.items()):
             logger.error("model %s is unavailable: %s", name, why)
+
+    def _add_user_models(self, user: Path, taken: set[str]) -> None:
+        """Add the models of the user's folder (``tilewise setup-models``: brain-mask-3d,
+        text-det-2d) whose names ``models_dir`` and the built-ins do not take."""
+        own: dict[str, Path] = {}
+        for path in sorted(p for p in user.iterdir() if p.suffix in _SPEC_SUFFIXES):
+            if _declared_name(path) not in taken:
+                self._add_file(path, own, set())
+        free = TEXT_DET_NAME not in self._specs and TEXT_DET_NAME not in taken
+        if free and (user / TEXT_DET_FILE).is_file():
+            self.add(text_det_spec(user))
+        if own:
+            logger.info("model repository: %s from %s", ", ".join(sorted(own)), user)
 
     def _add_file(self, path: Path, own: dict[str, Path], builtins: set[str]) -> None:
         """Register one spec file of ``models_dir`` (or list its name as unavailable)."""

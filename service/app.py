@@ -70,6 +70,7 @@ def _load_repository(settings: Settings, built: Callable[[Any], object] | None =
         device=settings.device,
         strict=settings.strict_models,
         measurements_dir=settings.measurements_dir,
+        user_models_dir=settings.user_models_dir,
     )
     if built is not None:
         built(repository)

@@ -84,6 +84,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     and session ``TILEWISE_WEB_DIR`` and ``TILEWISE_MEASUREMENTS_DIR`` (set by the root conftest),
     plus ``extra``."""
     keep = {"TILEWISE_MODELS_DIR", "TILEWISE_WEB_DIR", "TILEWISE_MEASUREMENTS_DIR"}
+    keep.add("TILEWISE_USER_MODELS_DIR")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_") or k in keep}
     env.update(extra)
     return env
