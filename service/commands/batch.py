@@ -2,7 +2,9 @@
 
 The output tree mirrors the input tree, each output with the suffix of its format
 (``a/b/scan.nii.gz`` -> ``a/b/scan.nii.gz``, ``x/page.jpg`` -> ``x/page.tiff`` or ``.png``), never
-outside OUTPUT_DIR. Symlinks are followed only when their target stays inside INPUT_DIR. Each
+outside OUTPUT_DIR. Links to files are followed wherever they point; links to folders only when
+their target stays inside INPUT_DIR. A refused connection or a 503 is retried ``--retries`` times
+and then for ``--retry-for`` seconds (default 600: a server restart). Each
 output appears under its final name only when complete, and is recorded (size, SHA-256) in
 ``OUTPUT_DIR/tilewise-manifest.jsonl``; a re-run skips inputs whose record verifies. At the end a
 summary goes to stdout and ``OUTPUT_DIR/tilewise-report.json`` lists every input. Ctrl-C once:
