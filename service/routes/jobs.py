@@ -249,6 +249,16 @@ async def job_events(job_id: str, service: JobsDep) -> StreamingResponse:
     )
 
 
+def _no_result(job_id: str, record: dict[str, Any]) -> str:
+    """Why job ``job_id`` has no result to download: it was cancelled, it failed, or not yet done."""
+    state = record["state"]
+    if state == JobState.CANCELLED.value:
+        return f"job {job_id} was cancelled: it has no result (submit it again to get one)"
+    if state == JobState.FAILED.value:
+        return f"job {job_id} failed: it has no result (GET /v1/jobs/{job_id} says why)"
+    return f"job {job_id} is {state}; its result exists once it is done"
+
+
 @router.get(
     "/jobs/{job_id}/result",
     responses={
@@ -262,7 +272,7 @@ async def job_result(job_id: str, service: JobsDep) -> Response:
     store = service.store
     record = await anyio.to_thread.run_sync(store.read, job_id)
     if record["state"] != JobState.DONE.value:
-        raise JobStateError(f"job {job_id} is {record['state']}; its result exists once it is done")
+        raise JobStateError(_no_result(job_id, record))
     result = record["result"]
     path = store.folder(job_id) / result["file"]
     if not path.is_file():

@@ -134,3 +134,18 @@ def test_plan_reuses_measurements_and_agrees_with_infer(tmp_path: Path) -> None:
     plan = json.loads(after.stdout)
     header = next(line for line in ran.stderr.splitlines() if "wrote" in line)
     assert f"halo={','.join(str(h) for h in plan['halo'])}" in header, (header, plan["halo"])
+
+
+def test_extra_hint_names_the_checkout_when_installed_from_one() -> None:
+    """A checkout install is told to install the extra from the checkout, not from PyPI."""
+    from importlib import metadata
+
+    from models.extras import install_hint
+
+    raw = metadata.distribution("tilewise").read_text("direct_url.json")
+    hint = install_hint("import")
+    if raw and json.loads(raw).get("url", "").startswith("file://"):
+        assert "tilewise[import]" not in hint and hint.endswith("[import]'")
+        assert Path(hint.split("'")[1][: -len("[import]")]).resolve() == REPO.resolve() or "-e" not in hint
+    else:
+        assert hint == "pip install 'tilewise[import]'"

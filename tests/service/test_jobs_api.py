@@ -122,7 +122,7 @@ def test_cancel_stops_the_network_within_a_batch(server: Server, client: httpx.C
     assert metric(server.url, "tilewise_tiles_total", model=MODEL) == tiles  # the network stopped
     assert cpu_seconds(server.pid) - cpu < 0.5  # idle: two seconds of wall time, little CPU
     gone = client.get(f"/v1/jobs/{job['id']}/result")
-    assert gone.status_code == 409 and "cancelled" in gone.json()["detail"]
+    assert gone.status_code == 409 and "was cancelled: it has no result" in gone.json()["detail"]
     assert client.delete(f"/v1/jobs/{job['id']}").json()["state"] == "cancelled"  # stays cancelled
 
 

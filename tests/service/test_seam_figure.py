@@ -53,7 +53,8 @@ def test_no_seam_reported_when_the_tiled_output_equals_the_whole_pass(tmp_path: 
     _soft_model(tmp_path)
     source = tmp_path / "camera.png"
     Image.fromarray(data.camera()).save(source)
-    tiled = _infer(tmp_path, source, tmp_path / "tiled.tif", "--tile", "64", "--halo", "auto", "--halo-tolerance", "0.01")
+    auto = ("--tile", "64", "--halo", "auto", "--halo-tolerance", "0.01")
+    tiled = _infer(tmp_path, source, tmp_path / "tiled.tif", *auto)
     whole = _infer(tmp_path, source, tmp_path / "whole.tif", "--tile", "1024", "--halo", "0")
     short = _infer(tmp_path, source, tmp_path / "short.tif", "--tile", "64", "--halo", "1")
     a = tifffile.imread(tmp_path / "tiled.tif").astype(np.float64)
