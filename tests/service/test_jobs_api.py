@@ -137,6 +137,9 @@ def test_a_retried_submission_makes_one_job(client: httpx.Client):
     other = client.post(f"/v1/jobs?model={MODEL}&tile=16", content=body, headers=headers)
     assert other.status_code == 409 and other.json()["error"] == "idempotency_key_reused"
     wait_state(client, first.json()["id"], ("done",))
+    for empty in ("",):  # `-H "Idempotency-Key: $(uuidgen)"` where uuidgen is missing
+        blank = client.post(f"/v1/jobs?model={MODEL}", content=body, headers={"Idempotency-Key": empty})
+        assert blank.status_code == 400 and "Idempotency-Key" in blank.json()["detail"], empty
 
 
 def test_twenty_concurrent_submissions_with_a_queue_of_two_are_queued_or_refused(client: httpx.Client):
