@@ -27,6 +27,7 @@ _work = argparse_number(float, 0.0, strict=True)
 #: ``(option, Settings field, argparse type, help)``; the variable is ``TILEWISE_<FIELD>``.
 _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--models", "models_dir", Path, "model folder (default: ~/.cache/tilewise/models)"),
+    ("--user-models", "user_models_dir", Path, "setup-models' folder, added (~/.cache/tilewise/models)"),
     ("--measurements-dir", "measurements_dir", Path, "warm-up measurements (~/.cache/tilewise/measurements)"),
     ("--device", "device", str, "cpu, cuda, cuda:N or mps (default: CUDA when available)"),
     ("--queue-size", "queue_size", _count, "requests allowed to wait for the device (default: 8)"),
