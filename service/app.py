@@ -110,10 +110,16 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         app.state.draining = False
         app.state.workroot = await anyio.to_thread.run_sync(WorkRoot.open, settings.tmp_dir)
         repo = repository
-        if repo is None:
-            built = functools.partial(setattr, app.state, "warming")
-            repo = await anyio.to_thread.run_sync(_load_repository, settings, built)
-        device = await anyio.to_thread.run_sync(_device_name, settings)
+        try:
+            if repo is None:
+                built = functools.partial(setattr, app.state, "warming")
+                repo = await anyio.to_thread.run_sync(_load_repository, settings, built)
+            device = await anyio.to_thread.run_sync(_device_name, settings)
+        except BaseException:
+            # a start that fails (TILEWISE_STRICT_MODELS, a bad device) leaves no folder and no open
+            # lock file behind (the "ResourceWarning: unclosed file" of issue 25 item 17)
+            await anyio.to_thread.run_sync(app.state.workroot.close)
+            raise
         executor = DeviceExecutor(
             device,
             settings.queue_size,
