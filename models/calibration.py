@@ -143,6 +143,25 @@ class HaloCalibrator:
         with self._lock:
             return None if self._probe is None else self._probe.radius
 
+    def measured(self) -> tuple[ReceptiveField | None, list[tuple[tuple[Any, ...], HaloCalibration]]]:
+        """The probe's result (``None`` before it ran) and the calibrated halos, oldest first
+        (:mod:`models.measured` stores them)."""
+        with self._lock:
+            return self._probe, list(self._halos.items())
+
+    def restore(
+        self, probe: ReceptiveField | None, halos: list[tuple[tuple[Any, ...], HaloCalibration]]
+    ) -> None:
+        """Take stored measurements (:meth:`measured` of an earlier process) as if run here."""
+        with self._lock:
+            if probe is not None and self._probe is None:
+                self._probe = probe
+            for key, calibration in halos:
+                tile, tolerance, source = key
+                self._halos.setdefault((tuple(tile), float(tolerance), str(source)), calibration)
+            while len(self._halos) > _HALO_CACHE_SIZE:
+                self._halos.popitem(last=False)
+
     def receptive_field(self) -> tuple[int, ...]:
         """Theoretical receptive-field radius per axis (voxels): from the spec, else probed once.
 

@@ -23,6 +23,7 @@ from models.calibration import HaloCalibrator
 from models.errors import InputError, ParamError
 from models.execute import execute_plan
 from models.footprint import Footprint, footprint_of
+from models.measured import Measurements
 from models.params import Blend, InferenceParams, OutputKind
 from models.plan import RunPlan
 from models.planner import default_memory_budget, given_halo_rule, size_plan
@@ -124,6 +125,21 @@ class Model:
                 self._footprint = footprint_of(self.spec, self.predictor)
                 logger.info("model %s: footprint %s", self.spec.name, self._footprint.describe())
             return self._footprint
+
+    def measurements(self) -> Measurements:
+        """What this model measured so far: receptive field, tile dependence, footprint, halos."""
+        probe, halos = self.calibrator.measured()
+        return Measurements(probe, self.seams.probe, self.known_footprint, halos)
+
+    def restore_measurements(self, measured: Measurements) -> None:
+        """Take measurements stored by an earlier process (:class:`~models.measured.MeasurementStore`):
+        nothing is measured again that they hold."""
+        self.calibrator.restore(measured.receptive_field, measured.halos)
+        self.seams.restore(measured.tile_dependence)
+        if measured.footprint is not None:
+            with self._footprint_lock:
+                if self._footprint is None:
+                    self._footprint = measured.footprint
 
     def calibrate(
         self, tile: Sequence[int], tolerance: float, sample: npt.NDArray[np.float32] | None = None

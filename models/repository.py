@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import yaml
 
 from models.backends import BasePredictor, load_predictor
 from models.errors import ModelError, ModelUnavailableError, RegistryError, UnknownModelError
+from models.measured import MeasurementStore
 from models.model import Model
 from models.spec import ModelSpec, load_spec
 from models.textdet import TEXT_DET_FILE, TEXT_DET_NAME, text_det_spec
@@ -59,6 +61,12 @@ class ModelRepository:
         device: torch device for every model (``None``: CUDA when available, else CPU).
         providers: ONNX Runtime execution providers (default: TensorRT, CUDA, CPU as available).
         strict: raise on the first model that fails (else list it as unavailable).
+        user_models_dir: the folder ``tilewise setup-models`` fills (default
+            ``TILEWISE_USER_MODELS_DIR``, else :data:`DEFAULT_MODELS_DIR`): when ``models_dir`` is
+            another folder, its models are added too (``models_dir`` wins a name); ``False``: not.
+        measurements_dir: where warm-up measurements of built-in models (and of a read-only
+            ``models_dir``) are kept (:mod:`models.measured`; default ``TILEWISE_MEASUREMENTS_DIR``,
+            else :data:`~models.measured.DEFAULT_MEASUREMENTS_DIR`); ``False``: none are read or kept.
 
     Raises:
         SpecError, RegistryError: with ``strict``, an invalid spec file or a name defined twice in
@@ -72,8 +80,21 @@ class ModelRepository:
         *,
         providers: Sequence[str] | None = None,
         strict: bool = False,
+        measurements_dir: Path | str | bool | None = None,
+        user_models_dir: Path | str | bool | None = None,
     ) -> None:
         self.models_dir = Path(models_dir if models_dir is not None else DEFAULT_MODELS_DIR).expanduser()
+        if user_models_dir is None:
+            user_models_dir = os.environ.get("TILEWISE_USER_MODELS_DIR") or DEFAULT_MODELS_DIR
+        user = None if user_models_dir is False else Path(str(user_models_dir)).expanduser()
+        if measurements_dir is None:
+            measurements_dir = os.environ.get("TILEWISE_MEASUREMENTS_DIR") or None
+        self.measurements = (
+            None
+            if measurements_dir is False
+            else MeasurementStore(self.models_dir, None if measurements_dir is True else measurements_dir)
+        )
+        self._warm: set[str] = set()
         self.device = device
         self.providers = providers
         self.strict = strict
@@ -90,10 +111,25 @@ class ModelRepository:
                 self._add_file(path, own, builtins)
         if TEXT_DET_NAME not in self._specs and (self.models_dir / TEXT_DET_FILE).is_file():
             self.add(text_det_spec(self.models_dir))
+        if user is not None and user.is_dir() and user.resolve() != self.models_dir.resolve():
+            self._add_user_models(user, set(own) | set(self._specs) | set(self._unavailable))
         ready = [n for n in self.names() if n not in self._unavailable]
         logger.info("model repository %s: %s", self.models_dir, ", ".join(ready))
         for name, why in sorted(self._unavailable.items()):
             logger.error("model %s is unavailable: %s", name, why)
+
+    def _add_user_models(self, user: Path, taken: set[str]) -> None:
+        """Add the models of the user's folder (``tilewise setup-models``: brain-mask-3d,
+        text-det-2d) whose names ``models_dir`` and the built-ins do not take."""
+        own: dict[str, Path] = {}
+        for path in sorted(p for p in user.iterdir() if p.suffix in _SPEC_SUFFIXES):
+            if _declared_name(path) not in taken:
+                self._add_file(path, own, set())
+        free = TEXT_DET_NAME not in self._specs and TEXT_DET_NAME not in taken
+        if free and (user / TEXT_DET_FILE).is_file():
+            self.add(text_det_spec(user))
+        if own:
+            logger.info("model repository: %s from %s", ", ".join(sorted(own)), user)
 
     def _add_file(self, path: Path, own: dict[str, Path], builtins: set[str]) -> None:
         """Register one spec file of ``models_dir`` (or list its name as unavailable)."""
@@ -214,10 +250,32 @@ class ModelRepository:
         except ModelError as exc:
             self._fail(name, spec, exc)
             raise
+        if self.measurements is not None:
+            self.measurements.restore(loaded)
         with self._lock:
             return self._models.setdefault(name, loaded)
 
-    def warmup(self, names: Sequence[str] | None = None, *, probe: bool = True) -> None:
+    def warming(self) -> list[str]:
+        """Available models not warmed up yet (by :meth:`warmup`), sorted."""
+        gone = self.unavailable()
+        with self._lock:
+            return sorted(n for n in self._specs if n not in gone and n not in self._warm)
+
+    def store_measurements(self, name: str) -> None:
+        """Keep what the loaded model ``name`` measured (:mod:`models.measured`); no-op when it is
+        not loaded or the repository keeps no measurements."""
+        with self._lock:
+            model = self._models.get(name)
+        if model is not None and self.measurements is not None:
+            self.measurements.store(model)
+
+    def warmup(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        probe: bool = True,
+        progress: Callable[[str, int, int], object] | None = None,
+    ) -> None:
         """Load ``names`` (default all available) and check one small forward pass each.
 
         The pass checks the spec's ``out_channels``, ``alignment`` and ``scale``
@@ -231,13 +289,24 @@ class ModelRepository:
         cores). A tile-dependent model needs no radius (``halo="auto"`` does not search). Each
         model's :meth:`~models.Model.footprint` (memory and time per voxel, for plans, the request
         budget and dry runs) is measured too, before any request runs beside it.
+
+        Measurements stored by an earlier warm-up (same spec, weights, device, tilewise version;
+        :mod:`models.measured`) are read instead of measured again, and new ones are stored: a
+        restart is ready in seconds. ``progress(name, i, n)`` is called before each model
+        (``i`` from 1; the log says "warming up NAME (i/n)" too).
         """
         gone = self.unavailable()
-        for name in names if names is not None else [n for n in self.names() if n not in gone]:
+        todo = list(names if names is not None else [n for n in self.names() if n not in gone])
+        for i, name in enumerate(todo, 1):
             spec = self._specs.get(name)
+            logger.info("warming up %s (%d/%d)", name, i, len(todo))
+            if progress is not None:
+                progress(name, i, len(todo))
+            before = 0
             try:
                 model = self.get(name)
                 spec = model.spec
+                before = model.measurements().count()
                 check_forward(spec, model.predictor)
                 if probe:
                     model.footprint()
@@ -257,6 +326,10 @@ class ModelRepository:
                 self._fail(name, spec, exc)
                 logger.error("model %s is unavailable: %s", name, self._unavailable[name])
                 continue
+            if self.measurements is not None and model.measurements().count() > before:
+                self.measurements.store(model)
+            with self._lock:
+                self._warm.add(name)
             logger.info("model %s: warm (%s)", name, model.predictor.describe())
 
 

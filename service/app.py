@@ -13,7 +13,7 @@ import functools
 import logging
 import re
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -62,16 +62,26 @@ def _device_name(settings: Settings) -> str:
     return str(resolve_device(settings.device))
 
 
-def _load_repository(settings: Settings) -> Any:
+def _load_repository(settings: Settings, built: Callable[[Any], object] | None = None) -> Any:
     """Build the model repository and warm it up (runs in a worker thread).
 
     A model that fails (spec, weights, warm-up check) is listed as unavailable with its reason;
-    with ``TILEWISE_STRICT_MODELS=true`` the failure stops the start-up instead.
+    with ``TILEWISE_STRICT_MODELS=true`` the failure stops the start-up instead. ``built`` is
+    given the repository before the warm-up (``/readyz`` then names the models still warming).
+    Measurements stored by an earlier start are reused (:mod:`models.measured`).
     """
     from models import ModelRepository
 
     fix_mmap_threshold(settings.mmap_threshold_bytes)  # before the warm-up measures footprints
-    repository = ModelRepository(settings.models_dir, device=settings.device, strict=settings.strict_models)
+    repository = ModelRepository(
+        settings.models_dir,
+        device=settings.device,
+        strict=settings.strict_models,
+        measurements_dir=settings.measurements_dir,
+        user_models_dir=settings.user_models_dir,
+    )
+    if built is not None:
+        built(repository)
     names = repository.names()
     logger.info("loaded %d models on %s: %s", len(names), _device_name(settings), ", ".join(names))
     if settings.warmup:
@@ -109,9 +119,16 @@ def create_app(settings: Settings | None = None, *, repository: Any = None) -> F
         app.state.draining = False
         app.state.workroot = await anyio.to_thread.run_sync(WorkRoot.open, settings.tmp_dir)
         repo = repository
-        if repo is None:
-            repo = await anyio.to_thread.run_sync(_load_repository, settings)
-        device = await anyio.to_thread.run_sync(_device_name, settings)
+        try:
+            if repo is None:
+                built = functools.partial(setattr, app.state, "warming")
+                repo = await anyio.to_thread.run_sync(_load_repository, settings, built)
+            device = await anyio.to_thread.run_sync(_device_name, settings)
+        except BaseException:
+            # a start that fails (TILEWISE_STRICT_MODELS, a bad device) leaves no folder and no open
+            # lock file behind (the "ResourceWarning: unclosed file" of issue 25 item 17)
+            await anyio.to_thread.run_sync(app.state.workroot.close)
+            raise
         executor = DeviceExecutor(
             device,
             settings.queue_size,

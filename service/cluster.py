@@ -248,8 +248,10 @@ def dask_client(address: str, *, timeout_s: float | None = None) -> Iterator[tup
     try:
         from distributed import Client, LocalCluster
     except ImportError as exc:
+        from models.extras import install_hint
+
         raise ClusterUnavailableError(
-            "--dask needs the `distributed` extra: pip install 'tilewise[distributed]'"
+            f"--dask needs the `distributed` extra: {install_hint('distributed')}"
         ) from exc
     n_local = _local_workers(address)
     timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s

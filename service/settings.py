@@ -4,6 +4,12 @@
 Variable                          Meaning
 ================================  ===========================================================================
 ``TILEWISE_MODELS_DIR``           model repository folder (default: ``models.DEFAULT_MODELS_DIR``)
+``TILEWISE_USER_MODELS_DIR``      the folder ``tilewise setup-models`` fills (default
+                                  ``~/.cache/tilewise/models``): its models are added to those of
+                                  ``TILEWISE_MODELS_DIR`` when that is another folder
+``TILEWISE_MEASUREMENTS_DIR``     warm-up measurements of built-in models and read-only model folders
+                                  (default: ``~/.cache/tilewise/measurements``; a writable model
+                                  folder keeps its own in ``.tilewise-measured/``)
 ``TILEWISE_DEVICE``               ``cpu``, ``cuda``, ``cuda:1`` ... (default: CUDA when available)
 ``TILEWISE_MAX_UPLOAD_BYTES``     largest accepted upload in bytes (413 beyond)
 ``TILEWISE_MAX_VOXELS``           largest accepted image, voxels or pixels times slices (413 beyond)
@@ -119,6 +125,8 @@ class Settings(BaseSettings):
     )
 
     models_dir: Path | None = None
+    user_models_dir: Path | None = None
+    measurements_dir: Path | None = None
     device: str | None = None
     max_upload_bytes: int = Field(default=2 * 2**30, ge=1)
     max_voxels: int = Field(default=2**30, ge=1)

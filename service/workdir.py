@@ -58,11 +58,16 @@ class WorkRoot:
         staging = root / f".new-{name}"
         staging.mkdir(mode=0o700)
         lock = (staging / _LOCK).open("wb")
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        lock.write(f"{os.getpid()}\n".encode())
-        lock.flush()
-        path = root / name
-        staging.rename(path)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock.write(f"{os.getpid()}\n".encode())
+            lock.flush()
+            path = root / name
+            staging.rename(path)
+        except BaseException:
+            lock.close()
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         return cls(root, path, lock)
 
     def mkdtemp(self) -> Path:

@@ -46,17 +46,32 @@ def session_web_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def session_measurements_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The warm-up measurements of the session (:mod:`models.measured`): the first server of the
+    session measures the built-in models, every later one reads them (start in seconds)."""
+    return tmp_path_factory.mktemp("measured")
+
+
 @pytest.fixture(autouse=True)
-def _scrub_env(monkeypatch: pytest.MonkeyPatch, empty_models_dir: Path, session_web_dir: Path) -> None:
+def _scrub_env(
+    monkeypatch: pytest.MonkeyPatch,
+    empty_models_dir: Path,
+    session_web_dir: Path,
+    session_measurements_dir: Path,
+) -> None:
     """Remove every ``TILEWISE_*`` environment variable for the duration of a test, and point
     ``TILEWISE_MODELS_DIR`` at an empty folder and ``TILEWISE_WEB_DIR`` at the session's: no test
     reads or writes the user's caches (``~/.cache/tilewise/``), in process or in the subprocesses
-    it starts."""
+    it starts. ``TILEWISE_MEASUREMENTS_DIR`` is the session's: warm-up measures each model once;
+    ``TILEWISE_USER_MODELS_DIR`` (what ``setup-models`` filled) is the empty folder too."""
     for name in list(os.environ):
         if name.startswith("TILEWISE_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("TILEWISE_MODELS_DIR", str(empty_models_dir))
     monkeypatch.setenv("TILEWISE_WEB_DIR", str(session_web_dir))
+    monkeypatch.setenv("TILEWISE_MEASUREMENTS_DIR", str(session_measurements_dir))
+    monkeypatch.setenv("TILEWISE_USER_MODELS_DIR", str(empty_models_dir))
 
 
 @pytest.fixture(autouse=True)

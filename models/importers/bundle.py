@@ -91,8 +91,10 @@ def _monai() -> Any:
     try:
         import monai.bundle
     except ImportError as exc:
+        from models.extras import install_hint
+
         raise ImportRefusedError(
-            "reading a MONAI bundle needs MONAI: pip install 'tilewise[import]' (serving does not)"
+            f"reading a MONAI bundle needs MONAI: {install_hint('import')} (serving does not)"
         ) from exc
     return getattr(monai.bundle, "ConfigParser")  # noqa: B009 (not re-exported for mypy)
 

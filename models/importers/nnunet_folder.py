@@ -137,8 +137,10 @@ def _networks(source: Path, plans: dict[str, Any], dataset: dict[str, Any], chec
         from nnunetv2.utilities.label_handling.label_handling import determine_num_input_channels
         from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
     except ImportError as exc:
+        from models.extras import install_hint
+
         raise ImportRefusedError(
-            "reading an nnU-Net folder needs nnU-Net v2: pip install 'tilewise[import]' (serving does not)"
+            f"reading an nnU-Net folder needs nnU-Net v2: {install_hint('import')} (serving does not)"
         ) from exc
     first = checkpoints[0]
     trainer_name = str(first.get("trainer_name"))

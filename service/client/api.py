@@ -206,8 +206,10 @@ class TilewiseClient(JobsMixin):
             ClientError: the last failure, with ``attempts`` set.
             Interrupted: ``abort`` was set (no retry then).
         """
-        retries = self.settings.retries
-        for n in range(1, retries + 2):
+        retries, retry_for = self.settings.retries, self.settings.retry_for_s
+        waited, n = 0.0, 0
+        while True:
+            n += 1
             try:
                 _check(abort)
                 return attempt(), n
@@ -215,8 +217,13 @@ class TilewiseClient(JobsMixin):
                 exc.attempts = n
                 if abort is not None and abort.is_set() and not isinstance(exc, Interrupted):
                     raise Interrupted(f"interrupted (last attempt: {exc})") from exc
-                if not exc.retryable or n > retries:
+                if not exc.retryable or (n > retries and waited >= retry_for):
                     raise
+                if n == 1 and isinstance(exc.__cause__, httpx.ConnectError):
+                    logger.warning(
+                        "%s: no server answers at %s (%s); retrying for up to %.0f s (--retry-for)",
+                        what, self.settings.url, exc.__cause__, max(retry_for, 0.0),
+                    )  # fmt: skip
                 delay = backoff_delay(
                     n,
                     base_s=self.settings.backoff_base_s,
@@ -224,9 +231,14 @@ class TilewiseClient(JobsMixin):
                     retry_after_s=getattr(exc, "retry_after_s", None),
                     rng=self._rng,
                 )
-                logger.warning("%s: %s; retry %d/%d in %.1f s", what, exc, n, retries, delay)
+                if n > retries:  # retries spent: going on for retry_for_s
+                    delay = min(delay, max(0.0, retry_for - waited)) or 0.0
+                    logger.warning("%s: %s; retry %d in %.1f s (%.0f of %.0f s)", what, exc, n, delay,
+                                   waited, retry_for)  # fmt: skip
+                else:
+                    logger.warning("%s: %s; retry %d/%d in %.1f s", what, exc, n, retries, delay)
                 self._sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
+                waited += max(delay, 0.05)
 
     # -- endpoints --------------------------------------------------------------------------------
 

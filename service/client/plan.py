@@ -8,9 +8,12 @@ with what to do instead.
 
 Every path the walk meets is in the result, so the report lists every input:
 
-- **Symlinks** (to a file or a folder) are followed only when their fully resolved target stays
-  inside INPUT_DIR. A link leaving INPUT_DIR, a dangling link and a link to a folder that contains
-  it (a loop) are listed as ``skipped`` with the reason; nothing outside INPUT_DIR is ever read.
+- **Symlinks to files** are followed wherever they point: a folder of links to data stored
+  elsewhere (nnU-Net's ``imagesTs`` is often built so) is the user's own data, read as the user.
+  **Symlinks to folders** are followed only when their fully resolved target stays inside
+  INPUT_DIR. A dangling link, a link loop, a link to a folder outside INPUT_DIR and a link to a
+  folder that contains it are listed as ``skipped`` with the reason. Outputs are never written
+  outside OUTPUT_DIR (:mod:`service.client.outdir`), wherever an input lies.
 - Anything that is not a regular file (FIFO, socket, device) is listed as ``skipped``; a file that
   cannot be read is listed as ``failed`` with the error. ``--pattern``
 globs narrow the walk first. Names starting with ``.`` (temporary outputs, ``.git``) are never
@@ -152,8 +155,9 @@ def inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
 def _walk(root: Path, *, recursive: bool, exclude: Path | None) -> list[tuple[Path, str | None]]:
     """Every non-hidden entry under ``root`` (sorted), each with why it is not read (``None``: read).
 
-    Symlinks are followed when their resolved target stays inside ``root`` (folders too, unless
-    the target contains the link: a loop). Folders are walked only with ``recursive``.
+    Symlinks to files are followed wherever they point; to folders, when their resolved target
+    stays inside ``root`` and does not contain the link (a loop). Folders are walked only with
+    ``recursive``.
     """
     real_root = os.path.realpath(root)
     found: list[tuple[Path, str | None]] = []
@@ -174,7 +178,13 @@ def _walk(root: Path, *, recursive: bool, exclude: Path | None) -> list[tuple[Pa
                     found.append((path, "dangling symlink (or a symlink loop): its target does not exist"))
                     continue
                 if not inside(target, real_root):
-                    found.append((path, f"symlink leaving INPUT_DIR (to {target}): not followed"))
+                    if os.path.isfile(target):  # the user's own data stored elsewhere: read it
+                        found.append((path, None))
+                    elif os.path.isdir(target):
+                        reason = f"symlink to a folder outside INPUT_DIR (to {target}): not followed"
+                        found.append((path, reason + " (links to files are)"))
+                    else:
+                        found.append((path, "not a regular file"))
                     continue
                 if os.path.isdir(target):
                     if not recursive:

@@ -20,9 +20,12 @@ __all__ = ["LABEL_PALETTE", "encode_npy", "encode_png", "encode_tiff", "label_im
 
 
 def _label_palette() -> list[tuple[int, int, int]]:
-    """256 distinct colours: 0 black (background), 1..6 the primaries and secondaries, then hues
-    a golden angle apart, cycling through three brightness levels."""
-    colours = [(0, 0, 0), (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (255, 0, 255)]
+    """256 distinct colours: 0 black (background), 1..7 Okabe and Ito's colour-blind-safe set
+    (orange, sky blue, bluish green, yellow, blue, vermillion, reddish purple; Okabe & Ito 2008,
+    "Color Universal Design"), then hues a golden angle apart, cycling through three brightness
+    levels. ``service/web/js/palette.js`` builds the same list."""
+    colours = [(0, 0, 0), (230, 159, 0), (86, 180, 233), (0, 158, 115), (240, 228, 66), (0, 114, 178),
+               (213, 94, 0), (204, 121, 167)]  # fmt: skip
     seen = set(colours)
     i = 0
     while len(colours) < 256:

@@ -2,7 +2,9 @@
 
 The output tree mirrors the input tree, each output with the suffix of its format
 (``a/b/scan.nii.gz`` -> ``a/b/scan.nii.gz``, ``x/page.jpg`` -> ``x/page.tiff`` or ``.png``), never
-outside OUTPUT_DIR. Symlinks are followed only when their target stays inside INPUT_DIR. Each
+outside OUTPUT_DIR. Links to files are followed wherever they point; links to folders only when
+their target stays inside INPUT_DIR. A refused connection or a 503 is retried ``--retries`` times
+and then for ``--retry-for`` seconds (default 600: a server restart). Each
 output appears under its final name only when complete, and is recorded (size, SHA-256) in
 ``OUTPUT_DIR/tilewise-manifest.jsonl``; a re-run skips inputs whose record verifies. At the end a
 summary goes to stdout and ``OUTPUT_DIR/tilewise-report.json`` lists every input. Ctrl-C once:
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,10 +34,24 @@ logger = logging.getLogger(__name__)
 _positive_int = argparse_number(int, 1)
 _non_negative_int = argparse_number(int, 0)
 _positive_float = argparse_number(float, 0.0, strict=True)
+_non_negative_float = argparse_number(float, 0.0)
+
+#: ``--retry-for`` when neither it nor ``TILEWISE_RETRY_FOR_S`` is given: longer than a replica's
+#: restart on a loaded machine (a cold warm-up took 7 minutes there; a measured one, seconds).
+RETRY_FOR_S = 600.0
+_RETRY_FOR_ENV = "TILEWISE_RETRY_FOR_S"
 
 #: Files of at least this size go as jobs (``--jobs-above``): a synchronous request for a file that
 #: large runs for minutes with no progress, and is lost with its replica.
 JOBS_ABOVE_BYTES = 128 * 2**20
+
+
+def _retry_for(given: float | None) -> float | None:
+    """``--retry-for``, else ``None`` (the variable's) when ``TILEWISE_RETRY_FOR_S`` is set, else
+    :data:`RETRY_FOR_S`."""
+    if given is not None:
+        return given
+    return None if os.environ.get(_RETRY_FOR_ENV) else RETRY_FOR_S
 
 
 def register(sub: Any) -> None:
@@ -57,6 +74,13 @@ def register(sub: Any) -> None:
         type=_non_negative_int,
         help="retries per file after a connection error, timeout or 429/502/503/504, with exponential "
         "backoff and jitter, honouring Retry-After (default: 5)",
+    )
+    conn.add_argument(
+        "--retry-for",
+        type=_non_negative_float,
+        metavar="SECONDS",
+        help="keep retrying a file this long (waits between attempts) after a connection error or "
+        "503, beyond --retries: outlasts a server restart (default: 600; env TILEWISE_RETRY_FOR_S)",
     )
     conn.add_argument(
         "--jobs",
@@ -136,6 +160,7 @@ def _run(args: argparse.Namespace) -> int:
         "api_key": args.api_key,
         "concurrency": args.concurrency,
         "retries": args.retries,
+        "retry_for_s": _retry_for(args.retry_for),
         "timeout_s": args.timeout,
     }
     try:

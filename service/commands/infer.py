@@ -125,7 +125,46 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def input_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be read as an input file (no such file, a folder, ...), or ``None``."""
+    if not path.exists():
+        return f"{path}: no such file" + (" (a dangling link)" if path.is_symlink() else "")
+    if path.is_dir():
+        return f"{path} is a folder, not a file"
+    if not path.is_file():
+        return f"{path} is not a regular file"
+    if not os.access(path, os.R_OK):
+        return f"{path}: permission denied"
+    return None
+
+
+def check_cheap(command: str, input_path: Path, model: str, models_dir: Path | None) -> int:
+    """The checks that need neither torch nor a loaded model (a fraction of a second): the input
+    file and the model name (with "did you mean"). 0, or the exit status 2 after saying why."""
+    from models.errors import UnknownModelError
+    from models.names import check_model_name
+    from service.settings import Settings
+
+    problem = input_problem(input_path)
+    if problem is not None:
+        sys.stderr.write(f"tilewise {command}: error: {problem}\n")
+        return 2
+    try:
+        check_model_name(model, models_dir or Settings().models_dir)
+    except UnknownModelError as exc:
+        sys.stderr.write(f"tilewise {command}: error: {exc}\n")
+        return 2
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    problem = output_problem(args.output, param_values(args).get("format"))
+    if problem is not None:
+        sys.stderr.write(f"tilewise infer: error: {problem}\n")
+        return 2
+    status = check_cheap("infer", args.input, args.model, args.models)
+    if status:
+        return status
     from models import ModelError, ModelRepository
     from models.params import parse_params
     from service.admission import admit
@@ -141,19 +180,17 @@ def _run(args: argparse.Namespace) -> int:
     configure_pillow(settings.max_image_pixels)
     fix_mmap_threshold(settings.mmap_threshold_bytes)
     raw: dict[str, str | None] = {"format": format_from_suffix(args.output), **param_values(args)}
-    problem = output_problem(args.output, param_values(args).get("format"))
-    if problem is not None:
-        sys.stderr.write(f"tilewise infer: error: {problem}\n")
-        return 2
-    if not args.input.is_file():
-        logger.error("input %s is not a file", args.input)
-        return 2
     target: Path = args.output
     stem = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         params = parse_params(raw)
-        strict = settings.strict_models
-        repository = ModelRepository(settings.models_dir, device=settings.device, strict=strict)
+        repository = ModelRepository(
+            settings.models_dir,
+            device=settings.device,
+            strict=settings.strict_models,
+            measurements_dir=settings.measurements_dir,
+            user_models_dir=settings.user_models_dir,
+        )
         limits = Limits(max_image_pixels=settings.max_image_pixels, memory_budget=settings.memory_budget)
         model = admit(repository, args.model, args.input, params, limits).model  # as the server admits
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -163,6 +200,7 @@ def _run(args: argparse.Namespace) -> int:
                 model, args.input, stem, params, limits=limits, progress=args.progress, tiled=tiled
             )
         os.replace(result.path, target)
+        repository.store_measurements(args.model)  # a later `tilewise plan` plans this halo
     except (ServiceError, ModelError, TilingError) as exc:
         logger.error("infer failed: %s", exc)
         return 1

@@ -2,9 +2,11 @@
 
 The command line's dry run: the same JSON object as ``POST /v1/models/NAME/infer?dry_run=true``
 (tile, halo, overlap, blend, batch_size, tiles, work, peak_bytes, eta_s, ...), from INPUT's header
-alone. The model is loaded and its footprint measured (a few forward passes of synthetic tiles,
-as at a server's warm-up); ``halo=auto`` takes the halo last calibrated in this process, else the
-receptive-field radius. ``--memory-budget`` (``TILEWISE_MEMORY_BUDGET``) picks the tile and batch
+alone. The model is loaded with the measurements a server's warm-up (or an earlier ``plan`` or
+``infer``) stored (:mod:`models.measured`): its footprint is measured only the first time (a few
+forward passes of synthetic tiles). ``halo=auto`` takes the halo last calibrated for this tile
+(by ``infer`` or a server on this machine, same weights and device), else the receptive-field
+radius; ``halo_source`` says which. ``--memory-budget`` (``TILEWISE_MEMORY_BUDGET``) picks the tile and batch
 size that the options do not give.
 """
 
@@ -46,6 +48,11 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from service.commands.infer import check_cheap
+
+    status = check_cheap("plan", args.input, args.model, args.models)
+    if status:
+        return status
     from models import ModelError, ModelRepository
     from models.params import parse_params
     from service.codecs import configure_pillow
@@ -59,15 +66,19 @@ def _run(args: argparse.Namespace) -> int:
     settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     configure_pillow(settings.max_image_pixels)
     fix_mmap_threshold(settings.mmap_threshold_bytes)
-    if not args.input.is_file():
-        logger.error("input %s is not a file", args.input)
-        return 2
     try:
         from service.dryrun import dry_run
 
         params = parse_params(param_values(args))
-        model = ModelRepository(settings.models_dir, device=settings.device).get(args.model)
+        repository = ModelRepository(
+            settings.models_dir,
+            device=settings.device,
+            measurements_dir=settings.measurements_dir,
+            user_models_dir=settings.user_models_dir,
+        )
+        model = repository.get(args.model)
         answer = dry_run(model, args.input, params, Limits.from_settings(settings))
+        repository.store_measurements(args.model)  # the footprint, when measured now
     except (ServiceError, ModelError, TilingError) as exc:
         logger.error("plan failed: %s", exc)
         return 1

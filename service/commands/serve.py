@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,15 +34,17 @@ _work = argparse_number(float, 0.0, strict=True)
 #: ``(option, Settings field, argparse type, help)``; the variable is ``TILEWISE_<FIELD>``.
 _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--models", "models_dir", Path, "model folder (default: ~/.cache/tilewise/models)"),
+    ("--user-models", "user_models_dir", Path, "setup-models' folder, added (~/.cache/tilewise/models)"),
+    ("--measurements-dir", "measurements_dir", Path, "warm-up measurements (~/.cache/tilewise/measurements)"),
     ("--device", "device", str, "cpu, cuda, cuda:N or mps (default: CUDA when available)"),
     ("--queue-size", "queue_size", _count, "requests allowed to wait for the device (default: 8)"),
     ("--shared-requests", "shared_requests", _positive, "requests run at once, sharing batches (1: off)"),
     ("--batch-wait-ms", "batch_wait_ms", _seconds, "wait for a shared forward batch to fill, ms (5)"),
     ("--max-upload-bytes", "max_upload_bytes", _positive, "largest upload, bytes (default: 2 GiB)"),
     ("--max-voxels", "max_voxels", _positive, "largest image, voxels (default: 2**30)"),
-    ("--max-image-pixels", "max_image_pixels", _positive, "decompression-bomb limit of 2D images"),
-    ("--api-key", "api_key", str, "key required on /v1 (Bearer); better the variable: ps shows argv"),
-    ("--api-keys", "api_keys", Path, "file of named keys, name:key or name:sha256:HEX a line"),
+    ("--max-image-pixels", "max_image_pixels", _positive, "2D image bomb limit, pixels (89478485)"),
+    ("--api-key", "api_key", str, "key required on /v1 (Bearer); prefer the variable: ps shows argv (none)"),
+    ("--api-keys", "api_keys", Path, "file of named keys, name:key or name:sha256:HEX a line (none)"),
     ("--allowed-hosts", "allowed_hosts", str, "Host names answered, comma-separated (loopback: loopback)"),
     ("--cors-origins", "cors_origins", str, "origins whose pages may call the API (none)"),
     ("--jobs-max-bytes", "jobs_max_bytes", argparse_bytes, "bytes finished jobs may keep (no cap)"),
@@ -52,7 +55,7 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--max-batch-size", "max_batch_size", _positive, "largest batch_size of a request (256)"),
     ("--max-tiles", "max_tiles", _positive, "most tiles one request may run (65536)"),
     ("--max-work", "max_work", _work, "most voxels through the network per input voxel (64)"),
-    ("--max-request-bytes", "max_request_bytes", _positive, "most memory one request's plan may predict"),
+    ("--max-request-bytes", "max_request_bytes", _positive, "most memory a request may use (half the RAM)"),
     ("--max-decoded-bytes", "max_decoded_bytes", _positive, "bytes an input may inflate to (4 GiB)"),
     ("--max-compression-ratio", "max_compression_ratio", _work, "inflated / file bytes, past 64 MiB (200)"),
     (
@@ -63,7 +66,7 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ),
     ("--min-voxels-per-tile", "min_voxels_per_tile", _positive, "input voxels per tile, at least (64)"),
     ("--max-client-share", "max_client_share", _work, "share of queue slots one client may hold (0.5)"),
-    ("--memory-budget", "memory_budget", argparse_bytes, "memory a plan should fit (300MB, 2GiB)"),
+    ("--memory-budget", "memory_budget", argparse_bytes, "memory a plan should fit: 300MB, 2GiB (unset)"),
     ("--mmap-threshold", "mmap_threshold_bytes", _count, "glibc mmap threshold, bytes (131072; 0: glibc's)"),
     ("--max-uploads", "max_uploads", _positive, "uploads in progress at once (16)"),
     ("--max-uploads-per-client", "max_uploads_per_client", _positive, "uploads in progress per client (4)"),
@@ -96,6 +99,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     for option, field, kind, text in _SETTINGS:
         env = f"TILEWISE_{field.upper()}"
+        text = with_default(text)
         parser.add_argument(
             option, dest=field, type=kind, default=None, metavar=env[9:], help=f"{text}; {env}"
         )
@@ -105,7 +109,8 @@ def register(sub: Any) -> None:
         action="store_const",
         const=False,
         default=None,
-        help="skip the warm-up run of each model at start-up; TILEWISE_WARMUP=false",
+        help="skip the warm-up run of each model at start-up (default: warm up, reusing the "
+        "measurements an earlier start stored); TILEWISE_WARMUP=false",
     )
     parser.add_argument(
         "--allow-anonymous",
@@ -126,6 +131,19 @@ def register(sub: Any) -> None:
         "TILEWISE_STRICT_MODELS=true",
     )
     parser.set_defaults(run=_run)
+
+
+def with_default(text: str) -> str:
+    """``"... (120)"`` -> ``"... (default: 120)"``: every option states its default.
+
+    >>> with_default("seconds to finish requests (120)")
+    'seconds to finish requests (default: 120)'
+    >>> with_default("model folder (default: ~/.cache/tilewise/models)")
+    'model folder (default: ~/.cache/tilewise/models)'
+    """
+    if "(default" in text:
+        return text
+    return re.sub(r"\(([^()]*)\)$", r"(default: \1)", text)
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:

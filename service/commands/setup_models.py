@@ -41,6 +41,19 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(run=_run)
 
 
+def _unwritable(folder: Path) -> str | None:
+    """Why the model folder cannot be created or written, or ``None``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the model folder {folder}: {exc.strerror or exc}"
+    if not folder.is_dir():
+        return f"the model folder {folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the model folder {folder} is not writable (choose another with --models)"
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     from models import DEFAULT_MODELS_DIR, ModelError
     from models.brainmask import BRAIN_MASK_NAME, setup_brain_mask
@@ -53,11 +66,19 @@ def _run(args: argparse.Namespace) -> int:
         (TEXT_DET_NAME, setup_text_det, args.wheel),
         (BRAIN_MASK_NAME, setup_brain_mask, args.deepbet_wheel),
     )
+    problem = _unwritable(models_dir)
+    if problem is not None:
+        sys.stderr.write(f"tilewise setup-models: error: {problem}\n")
+        return 2
     status = 0
     for name, setup, wheel in steps:
         try:
             spec_path = setup(models_dir, wheel=wheel, force=args.force)
         except ModelError as exc:
+            logger.error("setup-models failed for %s: %s", name, exc)
+            status = 1
+            continue
+        except OSError as exc:  # a full disk, a folder that vanished: one line, no traceback
             logger.error("setup-models failed for %s: %s", name, exc)
             status = 1
             continue

@@ -25,13 +25,25 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request, settings: SettingsDep, repository: RepositoryDep) -> JSONResponse:
     """Readiness: models are loaded and warmed up, and the server is not stopping.
 
+    While models warm up, the 503 body's ``warming`` lists those not warm yet (one by one; a
+    model whose measurements an earlier start stored is warm in about a second).
+
     Fails (503) first when the server drains before it stops (SIGTERM), while it still serves.
     """
     state = request.app.state
     if not getattr(state, "ready", False) or getattr(state, "draining", False):
-        detail = "the server is stopping" if getattr(state, "draining", False) else "models are not loaded"
+        draining = getattr(state, "draining", False)
+        warming = getattr(state, "warming", None)
+        names = warming.warming() if not draining and hasattr(warming, "warming") else None
+        if draining:
+            detail = "the server is stopping"
+        elif names is None:
+            detail = "models are not loaded"
+        else:
+            detail = f"models are warming up: {', '.join(names)}" if names else "starting"
+        body = {"error": "not_ready", "detail": detail, "request_id": current_request_id()}
         return JSONResponse(
-            {"error": "not_ready", "detail": detail, "request_id": current_request_id()},
+            body if names is None else {**body, "warming": names},
             status_code=503,
             headers={"Retry-After": str(settings.retry_after_s)},
         )

@@ -46,9 +46,11 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "The output file, on the input's grid (same size; NIfTI: same affine, qform/sform "
         "codes, zooms and units). `X-Tilewise-*` headers describe it; `X-Tilewise-Plan` gives the plan "
         "that ran (`tile=96,96,96; halo=8,8,8; overlap=0,0,0; tiles=27; work=1.49`); `X-Tilewise-Seam` "
-        "(`max=0.031; mean=0.0004; voxels=52000`), for a tile-dependent model or a halo below a local "
-        "model's receptive-field radius, the largest and mean absolute difference between overlapping "
-        "tiles' predictions where they overlap, measured during the run; `X-Tilewise-Warning` says (one "
+        "(`max=0.031; mean=0.0004; voxels=52000`), for a tile-dependent model or a given halo below a "
+        "local model's receptive-field radius (not for `halo=auto` that met its tolerance: that output is "
+        "within it of the whole pass), the largest and mean absolute difference between overlapping "
+        "tiles' predictions where they overlap (not a distance to the whole pass), measured during the "
+        "run; `X-Tilewise-Warning` says (one "
         "sentence) when a given halo is below a local model's receptive-field radius.",
         "content": {
             **{t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")},

@@ -321,6 +321,16 @@ async def job_events(job_id: str, service: JobsDep, principal: PrincipalDep) -> 
     )
 
 
+def _no_result(job_id: str, record: JobRecord) -> str:
+    """Why job ``job_id`` has no result to download: it was cancelled, it failed, or not yet done."""
+    state = record.state
+    if state is JobState.CANCELLED:
+        return f"job {job_id} was cancelled: it has no result (submit it again to get one)"
+    if state is JobState.FAILED:
+        return f"job {job_id} failed: it has no result (GET /v1/jobs/{job_id} says why)"
+    return f"job {job_id} is {state.value}; its result exists once it is done"
+
+
 @router.get(
     "/jobs/{job_id}/result",
     responses={
@@ -340,7 +350,7 @@ async def job_result(job_id: str, service: JobsDep, principal: PrincipalDep) -> 
     record = await anyio.to_thread.run_sync(_read_own, service, job_id, principal)
     result = record.result
     if record.state is not JobState.DONE or result is None:
-        raise JobStateError(f"job {job_id} is {record.state.value}; its result exists once it is done")
+        raise JobStateError(_no_result(job_id, record))
     path = store.folder(job_id) / result.file
     if not path.is_file():
         raise JobNotFoundError(f"the result of job {job_id} has expired")

@@ -160,6 +160,7 @@ def instance_env(tmp_dir: Path, models_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_")}
     env.update(
         TILEWISE_MODELS_DIR=str(models_dir),
+        TILEWISE_USER_MODELS_DIR=str(models_dir),
         TILEWISE_DEVICE="cpu",
         # compose.yaml's defaults: 1 GiB uploads, 512 Mi voxels.
         TILEWISE_MAX_UPLOAD_BYTES=str(2**30),

@@ -81,8 +81,10 @@ class Server:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment without ``TILEWISE_*`` variables but the test's empty ``TILEWISE_MODELS_DIR``
-    and session ``TILEWISE_WEB_DIR`` (set by the root conftest), plus ``extra``."""
-    keep = {"TILEWISE_MODELS_DIR", "TILEWISE_WEB_DIR"}
+    and session ``TILEWISE_WEB_DIR`` and ``TILEWISE_MEASUREMENTS_DIR`` (set by the root conftest),
+    plus ``extra``."""
+    keep = {"TILEWISE_MODELS_DIR", "TILEWISE_WEB_DIR", "TILEWISE_MEASUREMENTS_DIR"}
+    keep.add("TILEWISE_USER_MODELS_DIR")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_") or k in keep}
     env.update(extra)
     return env
@@ -94,12 +96,15 @@ def start_server(
     timeout_s: float = 180.0,
     cli_args: tuple[str, ...] | None = None,
     port: int | None = None,
+    log_level: str = "WARNING",
     **env: str,
 ) -> Server:
     """Start ``uvicorn --factory service.app:create_app`` with ``TILEWISE_*`` variables, or
     ``tilewise serve --port P *cli_args`` when ``cli_args`` is given; on ``port`` (default: a free
     one) so that a test can restart a server where its clients expect it. The one way tests start
-    servers; ``TILEWISE_MODELS_DIR`` defaults to the test session's empty folder (built-ins only)."""
+    servers; ``TILEWISE_MODELS_DIR`` defaults to the test session's empty folder (built-ins only).
+    ``timeout_s`` is the longest time without progress: each model warmed (``/readyz``'s
+    ``warming`` list shrinking) restarts it, so a loaded machine is slow but not a failure."""
     port = free_port() if port is None else port
     log = tmp_dir / f"server-{port}.log"
     environ = clean_env(**{f"TILEWISE_{k.upper()}": v for k, v in env.items()})
@@ -116,7 +121,7 @@ def start_server(
             "-m",
             "service.cli",
             "--log-level",
-            "WARNING",
+            log_level,
             "serve",
             "--port",
             str(port),
@@ -126,13 +131,18 @@ def start_server(
         process = subprocess.Popen(cmd, cwd=tmp_dir, env=environ, stdout=sink, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + timeout_s
+    warming: list[str] | None = None
     while time.monotonic() < deadline:
         if not server.alive():
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_tail()}")
         try:
-            if httpx.get(f"{server.url}/readyz", timeout=2.0).status_code == 200:
+            answer = httpx.get(f"{server.url}/readyz", timeout=2.0)
+            if answer.status_code == 200:
                 return server
-        except httpx.TransportError:
+            left = answer.json().get("warming")
+            if left is not None and left != warming:  # progress under load: the clock restarts
+                warming, deadline = left, time.monotonic() + timeout_s
+        except (httpx.TransportError, ValueError):
             pass
         time.sleep(0.25)
     stop_server(server)

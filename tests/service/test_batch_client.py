@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
 import random
 import struct
 import subprocess
@@ -415,3 +416,25 @@ def test_client_package_imports_no_torch_numpy_or_fastapi() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+def test_retry_for_outlasts_a_restart_and_says_at_once_that_nobody_listens(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--retry-for (issue 25 item 3): 12 refused connections (a restart) outlast --retries 2 but
+    within 300 s of waiting; the first refusal is said at once, before any wait."""
+    src = tmp_path / "scan.nii"
+    src.write_bytes(_nifti1_header())
+    server = FakeServer([httpx.ConnectError("refused")] * 12 + ["ok"])
+    sleeps: list[float] = []
+    with caplog.at_level(logging.WARNING), _client(server, sleeps, retries=2, retry_for_s=300) as client:
+        answer = client.infer_to_file(src, tmp_path / "out", "gaussian-3d", {})
+    assert answer.attempts == 13 and len(sleeps) == 12
+    assert sum(sleeps) <= 300.0
+    first = caplog.records[0].getMessage()
+    assert "no server answers at http://tilewise.test" in first and "retrying for up to 300 s" in first
+
+    server = FakeServer([httpx.ConnectError("refused")] * 12 + ["ok"])
+    with _client(server, [], retries=2, retry_for_s=0) as client, pytest.raises(TransportFailure) as info:
+        client.infer_to_file(src, tmp_path / "out2", "gaussian-3d", {})
+    assert info.value.attempts == 3

@@ -116,7 +116,9 @@ def test_outputs_never_leave_output_dir_through_a_symlinked_folder(tmp_path: Pat
 # -- one symlink policy, every input in the report -------------------------------------------------
 
 
-def test_symlinks_are_followed_only_inside_input_dir_and_every_path_is_reported(tmp_path: Path) -> None:
+def test_file_links_are_followed_folder_links_only_inside_and_every_path_is_reported(tmp_path: Path) -> None:
+    """Issue 25 item 2: a link to a file elsewhere is the user's data (read); a link to a folder
+    outside INPUT_DIR is not walked; dangling links and loops are reported."""
     inputs = _tree(tmp_path / "in", ["scan.nii.gz", "sub/deep.nii.gz"])
     outside = _tree(tmp_path / "outside", ["secret.nii.gz", "folder/x.nii.gz"])
     (inputs / "inside-link.nii.gz").symlink_to(inputs / "scan.nii.gz")
@@ -141,18 +143,24 @@ def test_symlinks_are_followed_only_inside_input_dir_and_every_path_is_reported(
         "sub/deep.nii.gz",
         "sub/loop",
     }
-    for followed in ("inside-link.nii.gz", "scan.nii.gz", "sub/deep.nii.gz", "sub-link/deep.nii.gz"):
-        assert status[followed][0] is Status.DONE, followed
-    assert (
-        status["outside-link.nii.gz"][0] is Status.SKIPPED
-        and "leaving INPUT_DIR" in status["outside-link.nii.gz"][1]
+    followed = (
+        "inside-link.nii.gz",
+        "outside-link.nii.gz",
+        "scan.nii.gz",
+        "sub/deep.nii.gz",
+        "sub-link/deep.nii.gz",
     )
-    assert status["outside-dir"][0] is Status.SKIPPED and "leaving INPUT_DIR" in status["outside-dir"][1]
+    for name in followed:
+        assert status[name][0] is Status.DONE, name
+    assert (out / "outside-link.nii.gz").is_file() and not (out / "outside-link.nii.gz").is_symlink()
+    assert (
+        status["outside-dir"][0] is Status.SKIPPED and "folder outside INPUT_DIR" in status["outside-dir"][1]
+    )
     assert status["dangling.nii.gz"][0] is Status.SKIPPED and "dangling" in status["dangling.nii.gz"][1]
     assert status["sub/loop"][0] is Status.SKIPPED and "loop" in status["sub/loop"][1]
-    assert not any(
-        b"secret" in body or b"folder/x" in body for body in (gzip.decompress(s) for s in server.sent)
-    )
+    bodies = [gzip.decompress(s) for s in server.sent]
+    assert any(b"secret" in body for body in bodies)  # the linked file was read
+    assert not any(b"folder/x" in body for body in bodies)  # the linked folder was not walked
     report = json.loads((out / REPORT_NAME).read_text())
     assert len(report["files"]) == len(status)  # every input path is in the report
 

@@ -122,7 +122,7 @@ def test_cancel_stops_the_network_within_a_batch(server: Server, client: httpx.C
     assert metric(server.url, "tilewise_tiles_total", model=MODEL) == tiles  # the network stopped
     assert cpu_seconds(server.pid) - cpu < 0.5  # idle: two seconds of wall time, little CPU
     gone = client.get(f"/v1/jobs/{job['id']}/result")
-    assert gone.status_code == 409 and "cancelled" in gone.json()["detail"]
+    assert gone.status_code == 409 and "was cancelled: it has no result" in gone.json()["detail"]
     assert client.delete(f"/v1/jobs/{job['id']}").json()["state"] == "cancelled"  # stays cancelled
 
 
@@ -141,6 +141,9 @@ def test_a_retried_submission_makes_one_job(client: httpx.Client):
     assert changed.status_code == 409 and changed.json()["error"] == "idempotency_key_reused"
     assert "sha256" in changed.json()["detail"]
     wait_state(client, first.json()["id"], ("done",))
+    for empty in ("",):  # `-H "Idempotency-Key: $(uuidgen)"` where uuidgen is missing
+        blank = client.post(f"/v1/jobs?model={MODEL}", content=body, headers={"Idempotency-Key": empty})
+        assert blank.status_code == 400 and "Idempotency-Key" in blank.json()["detail"], empty
 
 
 def test_twenty_concurrent_submissions_with_a_queue_of_two_are_queued_or_refused(client: httpx.Client):

@@ -88,6 +88,17 @@ def test_strict_models_make_any_failure_fatal(models_dir: Path, tmp_path: Path, 
     settings = make_settings(models_dir=models_dir, tmp_dir=tmp_path, device="cpu", strict_models=True)
     with pytest.raises(SpecError, match="in_chanels"), TestClient(create_app(settings)):
         pass
+    # the failed start closed its work folder's lock file (issue 25 item 17: ResourceWarning)
+    import gc
+    import warnings
+
+    from service.workdir import _FOLDER
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
+    assert not any((tmp_path / _FOLDER).glob("*")) if (tmp_path / _FOLDER).exists() else True
     for name in ("typo-3d", "arch-3d", "missing-3d"):
         (models_dir / f"{name}.yaml").unlink()
     with pytest.raises(SpecError, match="field 'out_channels' is 3"):

@@ -133,7 +133,7 @@ def test_label_png_over_the_page(server, new_page, recorder, page_png) -> None:
     rgb = _canvas_rgb(page)
     grey = data.page().astype(float)
     text = labels == 1
-    blend = 0.6 * np.array([255, 0, 0]) + 0.4 * grey[text][:, None]  # LABEL_PALETTE[1] is red
+    blend = 0.6 * np.array([230, 159, 0]) + 0.4 * grey[text][:, None]  # LABEL_PALETTE[1], Okabe-Ito orange
     assert np.abs(rgb[text] - blend).max() <= 1
     assert np.abs(rgb[~text] - grey[~text][:, None]).max() <= 1
     legend = page.inner_text("#legend")

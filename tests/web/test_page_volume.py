@@ -196,13 +196,19 @@ def test_volume_probabilities_one_channel_at_a_time(server, new_page, recorder, 
     page.wait_for_function("() => !document.getElementById('model').disabled")
     page.select_option("#model", MODEL)
     page.set_input_files("#file", str(mni_path))
+    # the input is shown as soon as it is chosen, before any run (issue 25 item 14)
+    page.wait_for_function("() => (window.tilewise.volumes.nv?.volumes.length || 0) === 1")
+    assert page.is_visible("#view3d") and "will be drawn over it" in page.text_content("#location")
     page.click("#options summary")
     page.fill("#opt-tile", "256")
     page.select_option("#opt-output", "probabilities")
     page.click("#run")
     assert wait_for_end(page).startswith("done")
     assert page.is_visible("#channel-box")
-    assert page.locator("#channel option").all_inner_texts() == ["channel 0", "channel 1", "channel 2"]
+    # channels named by the model's labels; opened on the first that is not the background
+    names = [f"{name} (channel {k})" for k, name in LABELS.items()]
+    assert page.locator("#channel option").all_inner_texts() == names
+    assert page.input_value("#channel") == "1"
     assert page.locator("#legend canvas.ramp").count() == 1
     _set_opacity(page, "End", "100 %")
     shots = []

@@ -27,7 +27,11 @@ const ui = {
   channelBox: $("channel-box"),
   location: $("location"),
 };
-const form = new RunForm(updateButtons);
+const form = new RunForm(() => {
+  updateButtons();
+  if (form.file !== shownInput) showInput(form.file);
+});
+let shownInput = null;
 const showLocation = (text) => {
   ui.location.textContent = text;
 };
@@ -49,6 +53,44 @@ function say(text) {
 function fail(error) {
   ui.error.hidden = false;
   ui.error.textContent = error instanceof ApiError ? `The server answered ${error.status}: ${error.message}` : String(error.message || error);
+  // With the options open the message can lie below the fold (1280x800): bring it into view.
+  const box = ui.error.getBoundingClientRect();
+  if (box.bottom > window.innerHeight || box.top < 0) ui.error.scrollIntoView({ block: "nearest" });
+}
+
+/** The chosen file in the viewer at once, before any run (a volume job can take a minute). */
+async function showInput(file) {
+  shownInput = file;
+  if (!file || state.running) return;
+  try {
+    const input = await file.arrayBuffer();
+    if (shownInput !== file) return; // another file was chosen meanwhile
+    const type = sniff(input);
+    $("canvas-box").classList.toggle("volume", type === "nifti");
+    $("canvas-box").classList.toggle("image", type !== "nifti");
+    $("legend").replaceChildren();
+    $("facts").replaceChildren();
+    $("download").hidden = true;
+    ui.channelBox.hidden = true;
+    if (type === "nifti") {
+      if (viewerProblem()) return;
+      $("view2d").hidden = true;
+      $("view3d").hidden = false;
+      ui.result.hidden = false;
+      view = volumes;
+      await volumes.showInput(input);
+    } else {
+      $("view3d").hidden = true;
+      $("view2d").hidden = false;
+      ui.result.hidden = false;
+      view = images;
+      images.showInput(await pictureOfFile(input, type, pictureOf));
+    }
+    ui.location.textContent = `The input, ${file.name}; the output will be drawn over it.`;
+  } catch (error) {
+    // not an image the page can draw: the server will say what it is when it runs
+    ui.location.textContent = "";
+  }
 }
 
 function clearError() {
@@ -91,7 +133,7 @@ async function run() {
   updateButtons();
   clearError();
   setProgress(0);
-  ui.result.hidden = true;
+  if (shownInput !== file) ui.result.hidden = true; // the input stays in view while the job runs
   try {
     say(`Uploading ${file.name}…`);
     const job = await api.submit(model.name, form.params(), file);
@@ -163,7 +205,8 @@ async function cancel() {
 async function showResult(model, file, job) {
   const result = await api.result(job.id);
   const kind = result.headers.get("x-tilewise-output") || (model.defaults || {}).output || "probabilities";
-  const info = { kind, labels: model.labels || {}, opacity: ui.opacity.value / 100 };
+  const channel = firstChannel(kind, model);
+  const info = { kind, labels: model.labels || {}, opacity: ui.opacity.value / 100, channel };
   const input = await file.arrayBuffer();
   const type = sniff(input);
   showFacts($("facts"), result.headers, job);
@@ -194,12 +237,23 @@ async function showResult(model, file, job) {
   }
   if (facts) {
     showLegend($("legend"), facts, info);
-    setChannels(kind === "labels" ? 1 : facts.channels);
+    setChannels(kind === "labels" ? 1 : facts.channels, model.labels || {}, channel);
+    if (view && channel) view.setChannel(channel);
   }
 }
 
-function setChannels(count) {
-  ui.channel.replaceChildren(...Array.from({ length: count }, (_, k) => new Option(`channel ${k}`, String(k))));
+/** The channel probabilities open on: the first that is not the background (channel 0 of a
+ * softmax is "background" and would cover the whole box), when there are several. */
+function firstChannel(kind, model) {
+  if (kind === "labels" || (model.out_channels || 1) <= 1) return 0;
+  const name = String((model.labels || {})[0] ?? "background").toLowerCase();
+  return /background|^bg$|none|other/.test(name) ? 1 : 0;
+}
+
+function setChannels(count, labels, selected) {
+  const name = (k) => (labels[k] !== undefined ? `${labels[k]} (channel ${k})` : `channel ${k}`);
+  ui.channel.replaceChildren(...Array.from({ length: count }, (_, k) => new Option(name(k), String(k))));
+  ui.channel.value = String(Math.min(selected, Math.max(0, count - 1)));
   ui.channelBox.hidden = count <= 1;
 }
 

@@ -18,9 +18,12 @@ function hsvToRgb(h, s, v) {
 }
 
 function buildPalette() {
-  // service.codecs.images._label_palette: 0 black, 1..6 primaries and secondaries, then hues a
+  // service.codecs.image_encode._label_palette: 0 black, 1..7 Okabe and Ito's colour-blind-safe
+  // set (orange, sky blue, bluish green, yellow, blue, vermillion, reddish purple), then hues a
   // golden angle apart at three brightness levels.
-  const colours = [[0, 0, 0], [255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0], [0, 255, 255], [255, 0, 255]];
+  const colours = [
+    [0, 0, 0], [230, 159, 0], [86, 180, 233], [0, 158, 115], [240, 228, 66], [0, 114, 178], [213, 94, 0], [204, 121, 167],
+  ];
   const seen = new Set(colours.map((c) => c.join(",")));
   let i = 0;
   while (colours.length < 256) {

@@ -48,7 +48,7 @@ export class ImageView {
     this.kind = meta.kind;
     this.labels = meta.labels || {};
     this.opacity = meta.opacity;
-    this.channel = 0;
+    this.channel = meta.channel || 0;
     this.canvas.width = picture.width;
     this.canvas.height = picture.height;
     const facts = { values: output.planes[0], channels: output.channels, voxels: output.width * output.height };
@@ -71,6 +71,15 @@ export class ImageView {
     }
     this.draw();
     return facts;
+  }
+
+  /** Show the input picture alone (as soon as it is chosen; the output comes over it later). */
+  showInput(picture) {
+    this.picture = picture;
+    this.output = null;
+    this.canvas.width = picture.width;
+    this.canvas.height = picture.height;
+    this.draw();
   }
 
   setOpacity(value) {
@@ -98,7 +107,7 @@ export class ImageView {
     const data = image.data;
     const alpha = this.opacity;
     const [lo, hi] = this.range || [0, 1];
-    for (let y = 0; y < height; y++) {
+    for (let y = 0; this.output && y < height; y++) {
       for (let x = 0; x < width; x++) {
         const v = this.valueAt(x, y);
         let colour = null;
@@ -117,7 +126,7 @@ export class ImageView {
   }
 
   probe(event) {
-    if (!this.picture) return;
+    if (!this.picture || !this.output) return;
     const box = this.canvas.getBoundingClientRect();
     const x = Math.floor(((event.clientX - box.left) * this.picture.width) / box.width);
     const y = Math.floor(((event.clientY - box.top) * this.picture.height) / box.height);

@@ -124,6 +124,18 @@ export class VolumeView {
     return facts;
   }
 
+  /** Show the input volume alone (as soon as it is chosen; the output comes over it later). */
+  async showInput(input) {
+    const nv = await this.ensure();
+    const { NVImage } = window.niivue;
+    while (nv.volumes.length > 0) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
+    const base = await NVImage.loadFromUrl({ url: input, name: niftiName(input, "input"), colormap: "gray" });
+    nv.addVolume(base);
+    nv.setSliceType(base.hdr.dims[3] <= 1 ? nv.sliceTypeAxial : nv.sliceTypeMultiplanar);
+    nv.updateGLVolume();
+    this.output = null;
+  }
+
   setOpacity(value) {
     if (this.nv && this.nv.volumes.length > 1) this.nv.setOpacity(1, value);
   }
