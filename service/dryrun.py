@@ -43,7 +43,7 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
     from models.cost import network_seconds, peak_bytes
 
     spec = model.spec
-    header = check_input(spec, source, limits)
+    header = check_input(spec, source, limits, params)
     shape = model_shape(spec, header, params)
     footprint = model.footprint()
     held = {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}

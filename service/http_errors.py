@@ -25,6 +25,7 @@ from service.errors import (
     BadParameterError,
     ClusterUnavailableError,
     DecodeError,
+    DicomSeriesError,
     EmptyBodyError,
     IdempotencyKeyReusedError,
     JobNotFoundError,
@@ -74,6 +75,7 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     UnsupportedMediaTypeError: (415, "unsupported_media_type"),
     DecodeError: (422, "decode_error"),
     UnusableInputError: (422, "unusable_input"),
+    DicomSeriesError: (422, "dicom_series_invalid"),
     # a run that cannot be spread over the Dask cluster as asked (tile-dependent network, no shared out)
     tiling_errors.DistributedError: (422, "not_distributable"),
     model_errors.InputError: (422, "unusable_input"),

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from models import InferenceParams, Model
     from service.budget import Budget
 
-__all__ = ["Limits", "check_input", "copies_input", "input_bytes", "model_shape", "precheck"]
+__all__ = ["Limits", "check_input", "copies_input", "dicom_options", "input_bytes", "model_shape", "precheck"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +58,17 @@ class Limits:
         )
 
 
-def check_input(spec: Any, source: Path, limits: Limits) -> Probe:
+def check_input(spec: Any, source: Path, limits: Limits, params: InferenceParams | None = None) -> Probe:
     """The input's header, checked against ``limits`` and the model before anything is decoded.
 
     Raises:
         PayloadTooLargeError: voxels, pixels or decompressed bytes over the limits (413).
         UnusableInputError: the wrong dimensionality or channel count for the model (422).
         EmptyBodyError, UnsupportedMediaTypeError, DecodeError: see :func:`service.codecs.probe`.
+        DicomSeriesError: a DICOM upload that is no one usable series (``params.series``,
+            ``params.tilt`` choose).
     """
-    header = probe(source)
+    header = probe(source, dicom=dicom_options(params), max_bytes=limits.max_bytes)
     header.check_limits(
         max_voxels=limits.max_voxels, max_image_pixels=limits.max_image_pixels, max_bytes=limits.max_bytes
     )
@@ -90,7 +92,7 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
     from models.footprint import Footprint
 
     spec = model.spec
-    header = check_input(spec, source, limits)
+    header = check_input(spec, source, limits, params)
     if limits.budget is not None:
         if params.merged(spec.defaults).halo == "auto":
             params = params.model_copy(update={"halo": 0})
@@ -117,6 +119,13 @@ def model_shape(spec: Any, header: Probe, params: InferenceParams) -> tuple[int,
     return tuple(header_model_shape(shape, header.info.get("affine"), spec, native=native))
 
 
+def dicom_options(params: InferenceParams | None) -> dict[str, Any]:
+    """``series`` and ``tilt`` of ``params`` for a DICOM input (:func:`service.codecs.decode`)."""
+    if params is None:
+        return {}
+    return {"series": params.series, "tilt": params.tilt}
+
+
 def input_bytes(header: Probe) -> int:
     """Bytes of the decoded input of a file with this header."""
     return int(header.voxels * np.dtype(header.dtype).itemsize)
@@ -125,4 +134,4 @@ def input_bytes(header: Probe) -> int:
 def copies_input(spec: Any, header: Probe) -> bool:
     """Whether preprocessing makes a float32 copy of the decoded input: always but for a float32
     image in C order that no preprocessing step changes (NIfTI voxels decode in Fortran order)."""
-    return np.dtype(header.dtype) != np.float32 or bool(spec.preprocess) or header.kind == "nifti"
+    return np.dtype(header.dtype) != np.float32 or bool(spec.preprocess) or header.kind in ("nifti", "dicom")
