@@ -171,7 +171,7 @@ def encode_dicom_seg(
         software_versions=version,
         device_serial_number="0",
         content_description=None if provenance is None else provenance.descrip()[:64],
-        content_creator_name="tilewise",
+        content_creator_name="tilewise^",
         content_label="TILEWISE",
         series_description=f"tilewise {model} segmentation"[:64],
         omit_empty_frames=False,
