@@ -40,6 +40,7 @@ from service.errors import (
     UnusableInputError,
     UploadTimeoutError,
 )
+from service.dicomweb import DicomwebError, DicomwebNotFoundError
 from service.requestid import current_request_id
 from tiling import errors as tiling_errors
 
@@ -80,6 +81,8 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     tiling_errors.DistributedError: (422, "not_distributable"),
     model_errors.InputError: (422, "unusable_input"),
     OverBudgetError: (422, "over_budget"),
+    DicomwebNotFoundError: (404, "dicomweb_not_found"),
+    DicomwebError: (502, "dicomweb_failed"),
     QueueFullError: (503, "queue_full"),
     NotReadyError: (503, "not_ready"),
     ClusterUnavailableError: (503, "cluster_unavailable"),

@@ -59,6 +59,7 @@ def job_status(record: dict[str, Any]) -> dict[str, Any]:
         "error": record.get("error"),
         "params": record.get("query", {}),
         "stage": record.get("stage"),
+        **({"stored": record["stored"]} if record.get("stored") else {}),
     }
 
 

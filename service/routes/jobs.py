@@ -32,6 +32,7 @@ from service.errors import (
 )
 from service.executor import Slot
 from service.jobs import JobService, JobState, event_stream, job_status
+from service.jobs.dicomweb_job import DICOMWEB_KEYS, dicomweb_request, pull_job_input
 from service.jobs.store import INPUT_FILE
 from service.precheck import Limits, precheck
 from service.requestid import current_request_id
@@ -99,7 +100,7 @@ def _parse(request: Request, repository: Any) -> tuple[str, InferenceParams]:
     if any(key == "dry_run" for key, _ in items):
         raise BadParameterError("a job always runs; for a plan, POST /v1/models/{name}/infer?dry_run=true")
     label = str(repository.spec(names[0]).name)
-    return label, parse_query([(k, v) for k, v in items if k != "model"])
+    return label, parse_query([(k, v) for k, v in items if k not in ("model", *DICOMWEB_KEYS)])
 
 
 _SUBMIT_OPENAPI = {
@@ -158,6 +159,7 @@ async def submit_job(
         raise NotReadyError("models are not loaded (starting or shutting down)")
     store = service.store
     label, params = _parse(request, repository)
+    dicomweb, params = dicomweb_request(request.query_params.multi_items(), params, settings)
     Budget.from_settings(settings).check_params(params)
     query = params.to_query()
     key = request.headers.get("idempotency-key")
@@ -178,15 +180,21 @@ async def submit_job(
             job_id, job_folder = await anyio.to_thread.run_sync(store.new_folder)
             folder = job_folder
             pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s)
-            source, n_bytes = await receive_upload(
-                request, job_folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
-            )
+            if dicomweb is not None:  # no body: the series comes from the DICOMweb server
+                source, n_bytes = await anyio.to_thread.run_sync(pull_job_input, settings, dicomweb, job_folder / INPUT_FILE)
+            else:
+                source, n_bytes = await receive_upload(
+                    request, job_folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
+                )
         metrics.bytes_in.inc(n_bytes)
         limits = Limits.from_settings(settings)
         model = await anyio.to_thread.run_sync(repository.get, label)
         await anyio.to_thread.run_sync(precheck, model, source, params, limits)
         slot = executor.reserve()
         record, lease = await anyio.to_thread.run_sync(service.create, job_id, label, query, key_hash)
+        if dicomweb is not None:  # what the runner stores back (service.jobs.dicomweb_job)
+            record["dicomweb"] = dicomweb
+            await anyio.to_thread.run_sync(functools.partial(store.write, record, durable=True))
         if key_hash is not None:
             bound = await anyio.to_thread.run_sync(store.bind_key, key_hash, job_id)
             if bound != job_id:  # a concurrent submission with this key made the job first
