@@ -59,6 +59,12 @@ def _failed(what: str, client: Any, exc: Exception) -> DicomwebError:
     return DicomwebError(f"{what}: the DICOMweb server {where} failed: {type(exc).__name__} {status or exc}")
 
 
+def _remote(exc: BaseException) -> bool:
+    import requests
+
+    return isinstance(exc, requests.RequestException)
+
+
 def pull_series(client: Any, study: str, series: str, folder: Path, *, max_bytes: int | None = None) -> int:
     """Retrieve every instance of a series (WADO-RS) into ``folder``, one ``.dcm`` per instance.
 
@@ -83,9 +89,11 @@ def pull_series(client: Any, study: str, series: str, folder: Path, *, max_bytes
                     f"series {series} is larger than max_upload_bytes={max_bytes} (stopped after {written} "
                     "instances)"
                 )
-    except (PayloadTooLargeError, OSError):
+    except PayloadTooLargeError:
         raise
     except Exception as exc:  # noqa: BLE001 - requests / dicomweb-client errors of a remote server
+        if isinstance(exc, OSError) and not _remote(exc):
+            raise  # the local disk
         raise _failed(f"retrieving series {series} of study {study}", client, exc) from exc
     if written == 0:
         raise DicomwebNotFoundError(f"series {series} of study {study} holds no instance on the DICOMweb server")
