@@ -36,7 +36,9 @@ class DicomwebNotFoundError(DicomwebError):
     """The DICOMweb server has no such study or series (404)."""
 
 
-def connect(url: str | None, username: str | None = None, password: str | None = None, *, timeout: float = 60.0) -> Any:
+def connect(
+    url: str | None, username: str | None = None, password: str | None = None, *, timeout: float = 60.0
+) -> Any:
     """A ``dicomweb_client.DICOMwebClient`` for ``url`` (basic authentication when a user is given).
 
     Raises:
@@ -96,7 +98,9 @@ def pull_series(client: Any, study: str, series: str, folder: Path, *, max_bytes
             raise  # the local disk
         raise _failed(f"retrieving series {series} of study {study}", client, exc) from exc
     if written == 0:
-        raise DicomwebNotFoundError(f"series {series} of study {study} holds no instance on the DICOMweb server")
+        raise DicomwebNotFoundError(
+            f"series {series} of study {study} holds no instance on the DICOMweb server"
+        )
     logger.info("pulled %d instance(s) of series %s (%d bytes)", written, series, total)
     return written
 
@@ -117,12 +121,18 @@ def store_seg(client: Any, path: Path) -> dict[str, str]:
     failed = response.get("FailedSOPSequence") if response is not None else None
     if failed:
         raise DicomwebError(f"the DICOMweb server refused SEG {ds.SOPInstanceUID}: {failed}")
-    stored = {"study": str(ds.StudyInstanceUID), "series": str(ds.SeriesInstanceUID), "sop_instance": str(ds.SOPInstanceUID)}
+    stored = {
+        "study": str(ds.StudyInstanceUID),
+        "series": str(ds.SeriesInstanceUID),
+        "sop_instance": str(ds.SOPInstanceUID),
+    }
     logger.info("stored SEG %s of series %s", stored["sop_instance"], stored["series"])
     return stored
 
 
-def series_of_study(client: Any, study: str, *, modalities: tuple[str, ...] = ("CT", "MR", "PT")) -> list[str]:
+def series_of_study(
+    client: Any, study: str, *, modalities: tuple[str, ...] = ("CT", "MR", "PT")
+) -> list[str]:
     """The SeriesInstanceUIDs of a study (QIDO-RS) whose modality is an image volume's (SEG,
     structured reports and presentation states left out).
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models import errors as model_errors
+from service.dicomweb import DicomwebError, DicomwebNotFoundError
 from service.errors import (
     AuthenticationError,
     BadParameterError,
@@ -40,7 +41,6 @@ from service.errors import (
     UnusableInputError,
     UploadTimeoutError,
 )
-from service.dicomweb import DicomwebError, DicomwebNotFoundError
 from service.requestid import current_request_id
 from tiling import errors as tiling_errors
 

@@ -35,7 +35,15 @@ import numpy as np
 
 from service.codecs import OUTPUT_FORMATS, DecodedVolume, decode, default_format, encode
 from service.errors import BadParameterError, UnusableInputError
-from service.precheck import Limits, check_input, copies_input, dicom_options, input_bytes, model_shape, precheck
+from service.precheck import (
+    Limits,
+    check_input,
+    copies_input,
+    dicom_options,
+    input_bytes,
+    model_shape,
+    precheck,
+)
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
@@ -294,7 +302,14 @@ def run_file(
     from service.provenance import provenance_of
 
     seg_type = None if params.seg_type is None else str(params.seg_type.value)
-    encode(volume, array, fmt, path, provenance=provenance_of(spec, plan.header(), output_kind), seg_type=seg_type)
+    encode(
+        volume,
+        array,
+        fmt,
+        path,
+        provenance=provenance_of(spec, plan.header(), output_kind),
+        seg_type=seg_type,
+    )
     for note in volume.info.get("notes", ()):
         logger.warning("input: %s", note)
     seconds = time.perf_counter() - started

@@ -3,9 +3,10 @@
 The body is either the raw file (``curl --data-binary @scan.nii.gz``) or a multipart form whose
 field ``file`` holds it (``curl -F file=@scan.nii.gz``); multipart is parsed on the fly as chunks
 arrive. Several ``file`` parts (the files of a DICOM series: ``curl -F file=@a.dcm -F file=@b.dcm``)
-become a folder at the given path, one file per part (``00000.dcm``, ...). The limit is enforced while reading: a declared ``Content-Length`` over the limit is
-refused before a byte is read, and an undeclared (chunked) body is cut off as soon as it passes
-the limit. File writes run in worker threads, so the event loop never blocks on disk I/O.
+become a folder at the given path, one file per part (``00000.dcm``, ...).
+The limit is enforced while reading: a declared ``Content-Length`` over the limit is refused
+before a byte is read, and an undeclared (chunked) body is cut off as soon as it passes the limit.
+File writes run in worker threads, so the event loop never blocks on disk I/O.
 
 A slow or stalled sender cannot hold the server: uploads in progress are bounded by their own
 count (:class:`UploadSlots`, 503 beyond, apart from the inference queue: a request takes an

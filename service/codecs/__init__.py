@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from service.codecs.dicom_seg import encode_dicom_seg
 from service.codecs.images import (
     configure_pillow,
     decode_image,
@@ -38,7 +39,6 @@ from service.codecs.images import (
     encode_tiff,
     probe_image,
 )
-from service.codecs.dicom_seg import encode_dicom_seg
 from service.codecs.nifti import decode_nifti, encode_nifti, probe_nifti
 from service.codecs.volume import OUTPUT_FORMATS, DecodedVolume, Probe
 from service.errors import BadParameterError, EmptyBodyError, ServiceError, UnsupportedMediaTypeError
@@ -96,9 +96,9 @@ def _is_dicom(path: Path) -> bool:
     if not path.is_dir() and path.stat().st_size == 0:
         return False
     try:
-        from service.codecs.dicom_files import is_dicom_source
-
         import pydicom  # noqa: F401
+
+        from service.codecs.dicom_files import is_dicom_source
     except ImportError:
         if path.is_dir():
             raise UnsupportedMediaTypeError(f"a folder is a DICOM series. {DICOM_ADVICE}") from None

@@ -81,7 +81,9 @@ def _colour(index: int) -> tuple[int, int, int]:
 def segment_channels(provenance: Any, channels: int) -> list[int]:
     """The output channels (or labels) written as segments: every one but 0 after a softmax
     (the background), all otherwise."""
-    if channels > 1 and (provenance is None or provenance.activation == "softmax" or provenance.output == "labels"):
+    if channels > 1 and (
+        provenance is None or provenance.activation == "softmax" or provenance.output == "labels"
+    ):
         return list(range(1, channels))
     return list(range(channels))
 

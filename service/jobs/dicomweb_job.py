@@ -23,7 +23,9 @@ _UID_RE = re.compile(r"[0-9]+(?:\.[0-9]+)*")
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
-def dicomweb_request(items: Iterable[tuple[str, str]], params: Any, settings: Any) -> tuple[dict[str, Any] | None, Any]:
+def dicomweb_request(
+    items: Iterable[tuple[str, str]], params: Any, settings: Any
+) -> tuple[dict[str, Any] | None, Any]:
     """``({"study", "series", "store"}, params)`` for a job named by UIDs, ``(None, params)`` otherwise.
 
     Raises:
@@ -50,15 +52,17 @@ def dicomweb_request(items: Iterable[tuple[str, str]], params: Any, settings: An
         raise BadParameterError(f"study={study!r} is not a DICOM UID (digits and dots, up to 64)")
     if params.series is None:
         raise BadParameterError(
-            "a DICOMweb job names its series: study=UID&series=UID (`tilewise batch --dicomweb URL --study UID` "
-            "runs every series of a study)"
+            "a DICOMweb job names its series: study=UID&series=UID "
+            "(`tilewise batch --dicomweb URL --study UID` runs every series of a study)"
         )
     if not getattr(settings, "dicomweb_url", None):
         raise BadParameterError("this server has no DICOMweb server: set TILEWISE_DICOMWEB_URL")
     if store:
         fmt = None if params.format is None else str(params.format.value)
         if fmt not in (None, "dicom-seg"):
-            raise BadParameterError(f"store=true stores a DICOM SEG; format={fmt} cannot be stored (drop format)")
+            raise BadParameterError(
+                f"store=true stores a DICOM SEG; format={fmt} cannot be stored (drop format)"
+            )
         params = type(params).model_validate(params.model_dump(exclude_unset=True) | {"format": "dicom-seg"})
     return {"study": study, "series": params.series, "store": store}, params
 
@@ -77,7 +81,9 @@ def pull_job_input(settings: Any, dicomweb: dict[str, Any], path: Path) -> tuple
     """
     from service.dicomweb import pull_series
 
-    pull_series(_client(settings), dicomweb["study"], dicomweb["series"], path, max_bytes=settings.max_upload_bytes)
+    pull_series(
+        _client(settings), dicomweb["study"], dicomweb["series"], path, max_bytes=settings.max_upload_bytes
+    )
     return path, sum(p.stat().st_size for p in path.iterdir())
 
 

@@ -39,9 +39,9 @@ from service.errors import NotReadyError, QueueFullError
 from service.executor import DeviceExecutor, Slot
 from service.http_errors import classify
 from service.jobs.checkpoint import SlabCheckpoint
+from service.jobs.dicomweb_job import store_job_result
 from service.jobs.lease import Lease, Leases
 from service.jobs.progress import RunProgress
-from service.jobs.dicomweb_job import store_job_result
 from service.jobs.store import INPUT_FILE, PARTIAL_FILE, JobState, JobStore
 from service.metrics import Metrics
 from service.pipeline import InferenceResult, Limits, run_file

@@ -181,7 +181,9 @@ async def submit_job(
             folder = job_folder
             pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s)
             if dicomweb is not None:  # no body: the series comes from the DICOMweb server
-                source, n_bytes = await anyio.to_thread.run_sync(pull_job_input, settings, dicomweb, job_folder / INPUT_FILE)
+                source, n_bytes = await anyio.to_thread.run_sync(
+                    pull_job_input, settings, dicomweb, job_folder / INPUT_FILE
+                )
             else:
                 source, n_bytes = await receive_upload(
                     request, job_folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace

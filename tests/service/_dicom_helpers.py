@@ -13,7 +13,9 @@ from pydicom.uid import ExplicitVRLittleEndian, MRImageStorage, generate_uid
 _LPS = np.diag([-1.0, -1.0, 1.0])
 
 
-def write_series(data: np.ndarray, affine: np.ndarray, folder: Path, *, description: str = "T1") -> list[Path]:
+def write_series(
+    data: np.ndarray, affine: np.ndarray, folder: Path, *, description: str = "T1"
+) -> list[Path]:
     """Write ``data`` ``(X, Y, Z)`` (int16) with the RAS ``affine`` as one file per slice ``k``.
 
     Rows run along Y, columns along X: ``pixel_array[j, i] = data[i, j, k]``. Positions and
@@ -36,12 +38,19 @@ def write_series(data: np.ndarray, affine: np.ndarray, folder: Path, *, descript
         ds.SOPClassUID, ds.SOPInstanceUID = MRImageStorage, meta.MediaStorageSOPInstanceUID
         ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.FrameOfReferenceUID = study, series, frame_of_reference
         ds.PatientName, ds.PatientID, ds.PatientBirthDate, ds.PatientSex = "MNI^152", "MNI152", "", "O"
-        ds.StudyDate, ds.StudyTime, ds.AccessionNumber, ds.ReferringPhysicianName = "20260101", "120000", "", ""
+        ds.StudyDate, ds.StudyTime, ds.AccessionNumber, ds.ReferringPhysicianName = (
+            "20260101",
+            "120000",
+            "",
+            "",
+        )
         ds.StudyID, ds.SeriesNumber, ds.InstanceNumber = "1", 1, k + 1
         ds.Modality, ds.Manufacturer, ds.SeriesDescription = "MR", "tests", description
         ds.ImageType = ["ORIGINAL", "PRIMARY", "OTHER"]
         ds.ImagePositionPatient = [pydicom.valuerep.format_number_as_ds(float(v)) for v in position]
-        ds.ImageOrientationPatient = [pydicom.valuerep.format_number_as_ds(float(v)) for v in (*row_cos, *col_cos)]
+        ds.ImageOrientationPatient = [
+            pydicom.valuerep.format_number_as_ds(float(v)) for v in (*row_cos, *col_cos)
+        ]
         ds.PixelSpacing = [float(spacing[1]), float(spacing[0])]
         ds.SliceThickness = float(spacing[2])
         ds.Rows, ds.Columns = data.shape[1], data.shape[0]
@@ -54,7 +63,9 @@ def write_series(data: np.ndarray, affine: np.ndarray, folder: Path, *, descript
     return paths
 
 
-def seg_labels(seg_path: Path, series_positions: np.ndarray, normal: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def seg_labels(
+    seg_path: Path, series_positions: np.ndarray, normal: np.ndarray, shape: tuple[int, ...]
+) -> np.ndarray:
     """The label volume ``(X, Y, Z)`` a BINARY or LABELMAP SEG holds (highdicom reads it), each
     frame placed on the slice whose position (along ``normal``) it carries."""
     import highdicom as hd

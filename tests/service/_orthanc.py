@@ -35,7 +35,9 @@ def orthanc(folder: Path) -> Iterator[str]:
     binary = shutil.which("Orthanc") or (ORTHANC if Path(ORTHANC).is_file() else None)
     plugin = _plugin()
     if binary is None or plugin is None:
-        pytest.skip("Orthanc or its DICOMweb plugin is not installed (apt-get install orthanc orthanc-dicomweb)")
+        pytest.skip(
+            "Orthanc or its DICOMweb plugin is not installed (apt-get install orthanc orthanc-dicomweb)"
+        )
     http_port = free_port()
     config = {
         "Name": "tilewise-test",

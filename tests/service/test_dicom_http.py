@@ -30,7 +30,9 @@ DIRTESTS = CT5N.parent.parent
 
 
 def _leftovers(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "tilewise-jobs" not in p.parts)
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "tilewise-jobs" not in p.parts
+    )
 
 
 def test_series_as_multipart_parts_and_zip(make_settings: Any, tmp_path: Path) -> None:
@@ -46,8 +48,16 @@ def test_series_as_multipart_parts_and_zip(make_settings: Any, tmp_path: Path) -
     with InProcessClient(app) as client:
         parts = client.post(url, files=files)
         zipped = client.post(url, content=archive.getvalue())
-        several = client.post(url, files=[("file", (p.name, p.read_bytes())) for p in sorted(DIRTESTS.rglob("*")) if p.is_file()])
-        gap = client.post(url, files=[("file", (p.name, p.read_bytes())) for p in sorted((DIRTESTS / "77654033" / "CT2").iterdir())])
+        several = client.post(
+            url,
+            files=[("file", (p.name, p.read_bytes())) for p in sorted(DIRTESTS.rglob("*")) if p.is_file()],
+        )
+        gap = client.post(
+            url,
+            files=[
+                ("file", (p.name, p.read_bytes())) for p in sorted((DIRTESTS / "77654033" / "CT2").iterdir())
+            ],
+        )
         not_seg = client.post(url, files=files, params={"format": "dicom-seg"})
     assert parts.status_code == 200, parts.text
     assert zipped.status_code == 200 and zipped.content == parts.content
@@ -105,13 +115,17 @@ def test_dicomweb_job_pulls_and_stores_the_seg(
         (tmp_path / "work").mkdir()
         app = create_app(settings, repository=ModelRepository("/nonexistent", device="cpu"))
         with InProcessClient(app) as client:
-            answer = client.post("/v1/jobs", params={"model": model, "study": study, "series": series, "store": "true"})
+            answer = client.post(
+                "/v1/jobs", params={"model": model, "study": study, "series": series, "store": "true"}
+            )
             assert answer.status_code == 202, answer.text
             status = _wait(client, answer.json()["id"])
             assert status["state"] == "done", status
             stored = status["stored"]
             result = client.get(f"/v1/jobs/{status['id']}/result")
-            missing = client.post("/v1/jobs", params={"model": model, "study": study, "series": "1.2.3", "store": "true"})
+            missing = client.post(
+                "/v1/jobs", params={"model": model, "study": study, "series": "1.2.3", "store": "true"}
+            )
             no_series = client.post("/v1/jobs", params={"model": model, "study": study})
         segs = pacs.search_for_series(study, search_filters={"Modality": "SEG"})
         assert [s["0020000E"]["Value"][0] for s in segs] == [stored["series"]]

@@ -21,13 +21,12 @@ pytest.importorskip("highdicom")
 
 import highdicom as hd  # noqa: E402
 import pydicom  # noqa: E402
+from _dicom_helpers import seg_labels, write_series  # noqa: E402
 
 from models import ModelRepository, parse_params  # noqa: E402
 from service.codecs import decode  # noqa: E402
 from service.errors import BadParameterError  # noqa: E402
 from service.pipeline import run_file  # noqa: E402
-
-from _dicom_helpers import seg_labels, write_series  # noqa: E402
 
 BOX = (slice(70, 126), slice(90, 150), slice(66, 112))  # 56 x 60 x 46 voxels of grey and white matter
 
@@ -46,7 +45,9 @@ def crop(mni152_path: Path) -> tuple[np.ndarray, np.ndarray]:
     return data, affine
 
 
-def _reorient(data: np.ndarray, affine: np.ndarray, perm: tuple[int, ...], flip: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _reorient(
+    data: np.ndarray, affine: np.ndarray, perm: tuple[int, ...], flip: int | None
+) -> tuple[np.ndarray, np.ndarray]:
     data = np.transpose(data, perm)
     out = affine.copy()
     out[:, :3] = affine[:, list(perm)]
@@ -119,7 +120,9 @@ def test_tissue_labels_and_seg_match_the_nifti_path(
     assert all("RecommendedDisplayCIELabValue" in s for s in seg.SegmentSequence)
 
 
-def test_labelmap_fractional_and_refusals(crop: tuple[np.ndarray, np.ndarray], tissue: Any, tmp_path: Path) -> None:
+def test_labelmap_fractional_and_refusals(
+    crop: tuple[np.ndarray, np.ndarray], tissue: Any, tmp_path: Path
+) -> None:
     data, affine = crop
     data, affine = data[8:40, 10:42, 8:36], affine.copy()
     affine[:3, 3] = affine[:3, :3] @ [8, 10, 8] + affine[:3, 3]
@@ -129,7 +132,9 @@ def test_labelmap_fractional_and_refusals(crop: tuple[np.ndarray, np.ndarray], t
     labels = np.asarray(nib.load(run_file(tissue, series, tmp_path / "n", parse_params({})).path).dataobj)
     positions = np.array([f.position for f in volume.info["dicom"].frames])
     normal = np.array([0.0, 0.0, 1.0])
-    result = run_file(tissue, series, tmp_path / "l", parse_params({"format": "dicom-seg", "seg_type": "labelmap"}))
+    result = run_file(
+        tissue, series, tmp_path / "l", parse_params({"format": "dicom-seg", "seg_type": "labelmap"})
+    )
     assert str(hd.seg.segread(result.path).SegmentationType) == "LABELMAP"
     np.testing.assert_array_equal(seg_labels(result.path, positions, normal, labels.shape), labels)
     params = parse_params({"format": "dicom-seg", "output": "probabilities"})
@@ -140,12 +145,14 @@ def test_labelmap_fractional_and_refusals(crop: tuple[np.ndarray, np.ndarray], t
     with pytest.raises(BadParameterError, match="needs a DICOM series"):
         run_file(tissue, nifti, tmp_path / "x", parse_params({"format": "dicom-seg"}))
     with pytest.raises(BadParameterError, match="seg_type=fractional needs output=probabilities"):
-        run_file(tissue, series, tmp_path / "y", parse_params({"format": "dicom-seg", "seg_type": "fractional"}))
+        run_file(
+            tissue, series, tmp_path / "y", parse_params({"format": "dicom-seg", "seg_type": "fractional"})
+        )
 
 
 def test_provenance_in_nifti_png_tiff(tmp_path: Path) -> None:
-    from PIL import Image
     import tifffile
+    from PIL import Image
 
     repo = ModelRepository("/nonexistent", device="cpu")
     volume = tmp_path / "v.nii.gz"

@@ -43,7 +43,9 @@ def _dcm2niix(source: Path, tmp: Path) -> nib.Nifti1Image:
         shutil.copy(source, folder / source.name)
     out = tmp / "out"
     out.mkdir()
-    subprocess.run(["dcm2niix", "-z", "n", "-f", "%s", "-o", str(out), str(folder)], check=True, capture_output=True)
+    subprocess.run(
+        ["dcm2niix", "-z", "n", "-f", "%s", "-o", str(out), str(folder)], check=True, capture_output=True
+    )
     (nii,) = glob.glob(str(out / "*.nii"))
     return nib.load(nii)
 
@@ -94,7 +96,9 @@ def test_zip_and_folder_and_ras_convention(tmp_path: Path) -> None:
     folder, zipped = decode(CT5N), decode(archive)
     np.testing.assert_array_equal(folder.data, zipped.data)
     np.testing.assert_array_equal(folder.affine, zipped.affine)
-    first = pydicom.dcmread(sorted(CT5N.iterdir(), key=lambda p: float(pydicom.dcmread(p).ImagePositionPatient[2]))[0])
+    first = pydicom.dcmread(
+        sorted(CT5N.iterdir(), key=lambda p: float(pydicom.dcmread(p).ImagePositionPatient[2]))[0]
+    )
     ipp = np.array(first.ImagePositionPatient, dtype=float)
     np.testing.assert_allclose(folder.affine[:3, 3], [-ipp[0], -ipp[1], ipp[2]])  # LPS -> RAS
     expected = first.pixel_array.T * float(first.RescaleSlope) + float(first.RescaleIntercept)
@@ -134,7 +138,9 @@ def test_mixed_orientations() -> None:
 def _copy_series(tmp: Path, edit: object) -> Path:
     out = tmp / "series"
     out.mkdir(parents=True)
-    for k, path in enumerate(sorted(CT5N.iterdir(), key=lambda p: float(pydicom.dcmread(p).ImagePositionPatient[2]))):
+    for k, path in enumerate(
+        sorted(CT5N.iterdir(), key=lambda p: float(pydicom.dcmread(p).ImagePositionPatient[2]))
+    ):
         ds = pydicom.dcmread(path)
         edit(ds, k)
         ds.save_as(out / f"{k:03d}.dcm")
