@@ -137,3 +137,36 @@ def test_dicomweb_job_pulls_and_stores_the_seg(
     assert pydicom.dcmread(io.BytesIO(result.content)).SOPInstanceUID == seg.SOPInstanceUID
     assert missing.status_code == 404 and missing.json()["error"] == "dicomweb_not_found"
     assert no_series.status_code == 400 and "series" in no_series.json()["detail"]
+
+
+@pytest.mark.slow  # starts a real server (minutes under load); a CI step of .ci/run
+def test_batch_client_runs_a_study_from_dicomweb(tmp_path: Path) -> None:
+    """``tilewise batch --dicomweb URL --study UID OUTPUT_DIR --model NAME`` against Orthanc and a
+    real server: one SEG per image series of the study, named by its SeriesInstanceUID."""
+    import subprocess
+    import sys
+
+    import dicomweb_client
+    from _svc_helpers import REPO, clean_env, start_server, stop_server
+
+    paths = sorted(CT5N.iterdir())
+    source = pydicom.dcmread(paths[0], stop_before_pixels=True)
+    (tmp_path / "orthanc").mkdir()
+    (tmp_path / "server").mkdir()
+    with orthanc(tmp_path / "orthanc") as url:
+        dicomweb_client.DICOMwebClient(url).store_instances([pydicom.dcmread(p) for p in paths])
+        server = start_server(tmp_path / "server")
+        try:
+            command = [sys.executable, "-m", "service.cli", "batch", "--dicomweb", url, "--study",
+                       str(source.StudyInstanceUID), str(tmp_path / "out"), "--model", "gaussian-3d",
+                       "--format", "dicom-seg", "--url", server.url]  # fmt: skip
+            done = subprocess.run(
+                command, capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=300
+            )
+        finally:
+            stop_server(server)
+    assert done.returncode == 0, done.stderr
+    (output,) = sorted((tmp_path / "out").iterdir())
+    assert output.name == f"{source.SeriesInstanceUID}.dcm"
+    seg = pydicom.dcmread(output)
+    assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == source.SeriesInstanceUID
