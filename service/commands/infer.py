@@ -144,8 +144,8 @@ def _run(args: argparse.Namespace) -> int:
     if problem is not None:
         sys.stderr.write(f"tilewise infer: error: {problem}\n")
         return 2
-    if not args.input.is_file():
-        logger.error("input %s is not a file", args.input)
+    if not (args.input.is_file() or args.input.is_dir()):  # a folder: a DICOM series
+        logger.error("input %s is not a file or a folder (of a DICOM series)", args.input)
         return 2
     target: Path = args.output
     stem = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"

@@ -192,3 +192,16 @@ def test_mixed_sizes_and_no_pixel_data(tmp_path: Path) -> None:
     shutil.copy(TEST_FILES / "rtstruct.dcm", empty)
     shutil.copy(DIRTESTS / "DICOMDIR", empty)
     assert _fault(empty).startswith("no pixel data")
+
+
+def test_cli_infer_reads_a_series_folder(tmp_path: Path) -> None:
+    from service.cli import main
+
+    out = tmp_path / "out.nii.gz"
+    assert main(["infer", str(CT5N), str(out), "--model", "gaussian-3d", "--tile", "16"]) == 0
+    img = nib.load(out)
+    assert img.shape == (16, 16, 5) and np.abs(img.affine - decode(CT5N).affine).max() < 1e-5
+    several = main(["infer", str(DIRTESTS), str(tmp_path / "x.nii.gz"), "--model", "gaussian-3d"])
+    chosen = main(["infer", str(DIRTESTS), str(tmp_path / "y.nii.gz"), "--model", "gaussian-3d", "--series",
+                   str(pydicom.dcmread(next(CT5N.iterdir())).SeriesInstanceUID)])  # fmt: skip
+    assert several != 0 and chosen == 0 and not (tmp_path / "x.nii.gz").exists()
