@@ -59,6 +59,10 @@ def test_series_as_multipart_parts_and_zip(make_settings: Any, tmp_path: Path) -
             ],
         )
         not_seg = client.post(url, files=files, params={"format": "dicom-seg"})
+        page = client.get("/")
+        script = client.get("/static/web/js/dicomweb.js")
+    assert 'id="pacs-form"' in page.text and "js/dicomweb.js" in page.text  # the page submits by UID too
+    assert script.status_code == 200 and "study, series" in script.text
     assert parts.status_code == 200, parts.text
     assert zipped.status_code == 200 and zipped.content == parts.content
     out = tmp_path / "out.nii.gz"
