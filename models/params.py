@@ -33,8 +33,10 @@ __all__ = [
     "PerAxis",
     "ProbabilityDtype",
     "REQUEST_ONLY",
+    "SegType",
     "Spacing",
     "StrEnum",
+    "Tilt",
     "Tta",
     "parse_params",
     "parse_query",
@@ -81,11 +83,12 @@ class OutputFormat(StrEnum):
     PNG = "png"
     TIFF = "tiff"
     NPY = "npy"
+    DICOM_SEG = "dicom-seg"
 
     @property
     def suffix(self) -> str:
-        """``".nii.gz"`` for ``nii.gz`` and so on."""
-        return "." + self.value
+        """``".nii.gz"`` for ``nii.gz`` and so on; ``".dcm"`` for ``dicom-seg``."""
+        return ".dcm" if self is OutputFormat.DICOM_SEG else "." + self.value
 
 
 class ProbabilityDtype(StrEnum):
@@ -102,6 +105,22 @@ class Tta(StrEnum):
 
     NONE = "none"
     MIRROR = "mirror"
+
+
+class Tilt(StrEnum):
+    """A gantry-tilted DICOM series: ``refuse`` it (422), or ``resample`` it onto an orthogonal grid."""
+
+    REFUSE = "refuse"
+    RESAMPLE = "resample"
+
+
+class SegType(StrEnum):
+    """DICOM SEG kind: ``binary`` (one bit per segment), ``labelmap``, or ``fractional``
+    (probabilities, 8 bits)."""
+
+    BINARY = "binary"
+    LABELMAP = "labelmap"
+    FRACTIONAL = "fractional"
 
 
 class Spacing(StrEnum):
@@ -198,6 +217,19 @@ def _positive_number(value: Any, info: ValidationInfo) -> Any:
     return number
 
 
+_UID_RE = re.compile(r"[0-9]+(?:\.[0-9]+)*")
+
+
+def _uid(value: Any, info: ValidationInfo) -> Any:
+    """A DICOM UID: digits and dots, at most 64 characters."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if len(text) > 64 or not _UID_RE.fullmatch(text):
+        raise ValueError(f"{info.field_name}={value!r} is not a DICOM UID (digits and dots, up to 64)")
+    return text
+
+
 def _flag(value: Any, info: ValidationInfo) -> Any:
     """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, any case) or a bool."""
     if value is None or isinstance(value, bool):
@@ -276,6 +308,20 @@ class InferenceParams(BaseModel):
         description="`model`: resample NIfTI inputs to the model's spacing (and the output back); "
         "`native`: no resampling (reorientation still applies). Images without an affine (PNG, "
         "TIFF, JPEG) are always native.",
+    )
+    series: Annotated[str | None, BeforeValidator(_uid)] = Field(
+        default=None,
+        description="DICOM input: the SeriesInstanceUID to read when the upload holds several series.",
+    )
+    tilt: Annotated[Tilt | None, _choice(Tilt)] = Field(
+        default=None,
+        description="DICOM input with a gantry tilt: `refuse` (default, 422) or `resample` onto an "
+        "orthogonal grid (each slice shifted in plane, linear).",
+    )
+    seg_type: Annotated[SegType | None, _choice(SegType)] = Field(
+        default=None,
+        description="format=dicom-seg: `binary` (default for labels), `labelmap`, or `fractional` "
+        "(the default for probabilities).",
     )
 
     dry_run: Annotated[bool, BeforeValidator(_flag)] = Field(

@@ -50,7 +50,7 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
 
     spec = model.spec
     streams = streamed_check(model, source, params)
-    header = check_input(spec, source, limits, streamed=streams)
+    header = check_input(spec, source, limits, params, streamed=streams)
     shape = model_shape(spec, header, params)
     check_model_grid(spec, header, shape, params, limits)
     footprint = model.footprint()

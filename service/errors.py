@@ -12,6 +12,7 @@ Hierarchy (each class also inherits the builtin it refines, so ``except ValueErr
       UnsupportedMediaTypeError(ServiceError)            not a format tilewise reads
       DecodeError(ServiceError, ValueError)              corrupt / truncated file
       UnusableInputError(ServiceError, ValueError)       wrong dims, NaN-only data
+        DicomSeriesError                                 a DICOM upload that is no one usable series
       PayloadTooLargeError(ServiceError)                 bytes, voxels or pixels over the limit
         MemoryBudgetError                                the plan's predicted memory over the limit
       OverBudgetError(ServiceError)                      batch size, tile count or work over the limit
@@ -37,6 +38,7 @@ __all__ = [
     "ClusterUnavailableError",
     "CrossOriginError",
     "DecodeError",
+    "DicomSeriesError",
     "EmptyBodyError",
     "ForbiddenError",
     "IdempotencyKeyReusedError",
@@ -93,6 +95,11 @@ class DecodeError(ServiceError, ValueError):
 
 class UnusableInputError(ServiceError, ValueError):
     """A readable file that the model cannot use: dimensionality, channels, NaN-only data."""
+
+
+class DicomSeriesError(UnusableInputError):
+    """A DICOM upload that is no one usable series (several series, gantry tilt, a missing slice,
+    mixed orientations or sizes, no pixel data ...); the message names the fault."""
 
 
 class PayloadTooLargeError(ServiceError):

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models import errors as model_errors
+from service.dicomweb import DicomwebError, DicomwebNotFoundError
 from service.errors import (
     AuthenticationError,
     BadHostError,
@@ -27,6 +28,7 @@ from service.errors import (
     ClusterUnavailableError,
     CrossOriginError,
     DecodeError,
+    DicomSeriesError,
     EmptyBodyError,
     ForbiddenError,
     IdempotencyKeyReusedError,
@@ -81,10 +83,13 @@ STATUS: dict[type[BaseException], tuple[int, str]] = {
     UnsupportedMediaTypeError: (415, "unsupported_media_type"),
     DecodeError: (422, "decode_error"),
     UnusableInputError: (422, "unusable_input"),
+    DicomSeriesError: (422, "dicom_series_invalid"),
     # a run that cannot be spread over the Dask cluster as asked (tile-dependent network, no shared out)
     tiling_errors.DistributedError: (422, "not_distributable"),
     model_errors.InputError: (422, "unusable_input"),
     OverBudgetError: (422, "over_budget"),
+    DicomwebNotFoundError: (404, "dicomweb_not_found"),
+    DicomwebError: (502, "dicomweb_failed"),
     QueueFullError: (503, "queue_full"),
     NotReadyError: (503, "not_ready"),
     ClusterUnavailableError: (503, "cluster_unavailable"),

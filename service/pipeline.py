@@ -39,6 +39,7 @@ from service.precheck import (
     Limits,
     check_input,
     copies_input,
+    dicom_options,
     input_bytes,
     model_shape,
     precheck,
@@ -81,6 +82,7 @@ MEDIA_TYPES = {
     "png": "image/png",
     "tiff": "image/tiff",
     "npy": "application/octet-stream",
+    "dicom-seg": "application/dicom",
 }
 
 
@@ -158,10 +160,15 @@ def plan_format(volume: DecodedVolume, spec: Any, params: InferenceParams, outpu
     """The output format: the requested one, else the spec's default, else by input kind.
 
     Raises:
-        BadParameterError: ``png`` for a 3D output.
+        BadParameterError: ``png`` for a 3D output; ``dicom-seg`` for an input that is no DICOM
+            series, or a series resampled for its gantry tilt.
     """
     fmt = params.format or spec.defaults.format or default_format(volume, output_kind)
     fmt = str(fmt)
+    if fmt == "dicom-seg":
+        from service.codecs.dicom_seg import check_seg
+
+        check_seg(volume, spec, params, output_kind)
     if fmt == "png" and spec.spatial_dims != 2:
         raise BadParameterError(
             f"format=png needs a 2D output; model {spec.name!r} is 3D (use nii.gz or tiff)"
@@ -287,13 +294,14 @@ def run_file(
         from service.stages import output_format
         from service.writers import check_output_dtype
 
-        header = check_input(spec, source, limits)
+        header = check_input(spec, source, limits, params)
         check_output_dtype(output_format(header.kind, spec, params), params)
     volume = decode(
         source,
         max_voxels=limits.max_voxels,
         max_image_pixels=limits.max_image_pixels,
         max_bytes=limits.max_bytes,
+        dicom=dicom_options(params),
     )
     output_kind = str(params.output or spec.defaults.output)
     fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
@@ -323,7 +331,19 @@ def run_file(
     if plan.warning:
         logger.warning("model %s: %s", spec.name, plan.warning)
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])
-    encode(volume, array, fmt, path)
+    from service.provenance import provenance_of
+
+    seg_type = None if params.seg_type is None else str(params.seg_type.value)
+    encode(
+        volume,
+        array,
+        fmt,
+        path,
+        provenance=provenance_of(spec, plan.header(), output_kind),
+        seg_type=seg_type,
+    )
+    for note in volume.info.get("notes", ()):
+        logger.warning("input: %s", note)
     seconds = time.perf_counter() - started
     logger.info(
         "model=%s input=%s%s output=%s%s %s plan=%s in %.3fs",
@@ -375,7 +395,7 @@ def prepare_file(
     limits = limits or Limits()
     spec = model.spec
     streams = streamed_check(model, source, params)
-    header = check_input(spec, source, limits, streamed=streams)
+    header = check_input(spec, source, limits, params, streamed=streams)
     fmt = output_format(header.kind, spec, params)
     check_output_dtype(fmt, params)
     if not streams(header):

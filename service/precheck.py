@@ -37,6 +37,7 @@ __all__ = [
     "check_model_grid",
     "check_spacing",
     "copies_input",
+    "dicom_options",
     "held_beside",
     "input_bytes",
     "model_shape",
@@ -90,7 +91,12 @@ class Limits:
 
 
 def check_input(
-    spec: Any, source: Path, limits: Limits, *, streamed: Callable[[Probe], bool] | None = None
+    spec: Any,
+    source: Path,
+    limits: Limits,
+    params: InferenceParams | None = None,
+    *,
+    streamed: Callable[[Probe], bool] | None = None,
 ) -> Probe:
     """The input's header, checked against ``limits`` and the model before anything is decoded.
 
@@ -103,8 +109,10 @@ def check_input(
             over the limits (413).
         UnusableInputError: the wrong dimensionality or channel count for the model (422).
         EmptyBodyError, UnsupportedMediaTypeError, DecodeError: see :func:`service.codecs.probe`.
+        DicomSeriesError: a DICOM upload that is no one usable series (``params.series``,
+            ``params.tilt`` choose).
     """
-    header = probe(source)
+    header = probe(source, dicom=dicom_options(params), max_bytes=limits.max_bytes)
     if streamed is None or not streamed(header):
         header.check_limits(
             max_voxels=limits.max_voxels, max_image_pixels=limits.max_image_pixels, max_bytes=limits.max_bytes
@@ -153,7 +161,7 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
 
     spec = model.spec
     streams = streamed_check(model, source, params)
-    header = check_input(spec, source, limits, streamed=streams)
+    header = check_input(spec, source, limits, params, streamed=streams)
     from service.stages import output_format
     from service.writers import check_output_dtype
 
@@ -273,6 +281,13 @@ def check_spacing(spec: Any, header: Probe, params: InferenceParams) -> None:
             )
 
 
+def dicom_options(params: InferenceParams | None) -> dict[str, Any]:
+    """``series`` and ``tilt`` of ``params`` for a DICOM input (:func:`service.codecs.decode`)."""
+    if params is None:
+        return {}
+    return {"series": params.series, "tilt": params.tilt}
+
+
 def input_bytes(header: Probe) -> int:
     """Bytes of the decoded input of a file with this header."""
     return int(header.voxels * np.dtype(header.dtype).itemsize)
@@ -281,4 +296,4 @@ def input_bytes(header: Probe) -> int:
 def copies_input(spec: Any, header: Probe) -> bool:
     """Whether preprocessing makes a float32 copy of the decoded input: always but for a float32
     image in C order that no preprocessing step changes (NIfTI voxels decode in Fortran order)."""
-    return np.dtype(header.dtype) != np.float32 or bool(spec.preprocess) or header.kind == "nifti"
+    return np.dtype(header.dtype) != np.float32 or bool(spec.preprocess) or header.kind in ("nifti", "dicom")

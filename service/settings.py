@@ -188,6 +188,17 @@ class Settings(BaseSettings):
         description="folder for the zarr copies of cluster jobs, seen by every Dask worker at the same path "
         "(default: the job's folder)",
     )
+    dicomweb_url: Annotated[str | None, BeforeValidator(blank_to_none)] = Field(
+        default=None,
+        description="DICOMweb server (its QIDO/WADO/STOW root, e.g. http://pacs:8042/dicom-web) that jobs "
+        "given by study and series UID pull from and store their DICOM SEG to; unset: no DICOMweb jobs",
+    )
+    dicomweb_username: Annotated[str | None, BeforeValidator(blank_to_none)] = Field(
+        default=None, description="user name for the DICOMweb server (HTTP basic authentication)"
+    )
+    dicomweb_password: Annotated[str | None, BeforeValidator(blank_to_none)] = Field(
+        default=None, description="password for the DICOMweb server", repr=False
+    )
 
     @field_validator("device", mode="before")
     @classmethod

@@ -14,8 +14,9 @@ Kind        Magic
 ``jpeg``    ``FF D8 FF``
 ``tiff``    ``II*\\0``, ``MM\\0*`` (classic) or ``II+\\0``, ``MM\\0+`` (BigTIFF)
 ``dicom``   ``DICM`` at byte 128, after the 128-byte preamble (checked first: the preamble may
-            itself look like a TIFF header, as in pydicom's ``CT_small.dcm``). Recognized in
-            order to be refused with advice (:data:`UNSUPPORTED_KINDS`), not read.
+            itself look like a TIFF header, as in pydicom's ``CT_small.dcm``). Read as a series
+            by :mod:`service.codecs.dicom` (the ``dicom`` extra); the batch client skips single
+            DICOM files with advice (:data:`UNSUPPORTED_KINDS`).
 ==========  =====================================================================
 
 A ``.nii.gz`` cut short before its header could be read still counts as NIfTI, so that the server
@@ -42,8 +43,10 @@ KINDS = ("nifti", "png", "jpeg", "tiff")
 UNSUPPORTED_KINDS = ("dicom",)
 #: What to do with a DICOM file instead of sending it.
 DICOM_ADVICE = (
-    "DICOM is not read yet: convert the series to NIfTI first (e.g. `dcm2niix -z y -o OUT_DIR "
-    "DICOM_DIR`) and send the .nii.gz"
+    "DICOM is read as a series with the `dicom` extra (pip install 'tilewise[dicom]'): send the series' "
+    "folder (`tilewise infer FOLDER`), a zip, or its files as several multipart `file` parts; the batch "
+    "client reads a study from a PACS (`tilewise batch --dicomweb URL --study UID`). Or convert it to "
+    "NIfTI first (e.g. `dcm2niix -z y -o OUT_DIR DICOM_DIR`) and send the .nii.gz"
 )
 
 _PNG = b"\x89PNG\r\n\x1a\n"

@@ -2,9 +2,11 @@
 
 The body is either the raw file (``curl --data-binary @scan.nii.gz``) or a multipart form whose
 field ``file`` holds it (``curl -F file=@scan.nii.gz``); multipart is parsed on the fly as chunks
-arrive. The limit is enforced while reading: a declared ``Content-Length`` over the limit is
-refused before a byte is read, and an undeclared (chunked) body is cut off as soon as it passes
-the limit. File writes run in worker threads, so the event loop never blocks on disk I/O.
+arrive. Several ``file`` parts (the files of a DICOM series: ``curl -F file=@a.dcm -F file=@b.dcm``)
+become a folder at the given path, one file per part (``00000.dcm``, ...).
+The limit is enforced while reading: a declared ``Content-Length`` over the limit is refused
+before a byte is read, and an undeclared (chunked) body is cut off as soon as it passes the limit.
+File writes run in worker threads, so the event loop never blocks on disk I/O.
 
 A slow or stalled sender cannot hold the server: uploads in progress are bounded by their own
 count (:class:`UploadSlots`, 503 beyond, apart from the inference queue: a request takes an
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 from python_multipart.exceptions import MultipartParseError
@@ -51,7 +54,8 @@ class _FilePart:
     """Callbacks of python-multipart's push parser that keep the data of the ``file`` field."""
 
     def __init__(self) -> None:
-        self.pending: list[bytes] = []
+        self.pending: list[tuple[int, bytes]] = []  # (index of the file part, data)
+        self.count = 0
         self.found = False
         self.finished = False
         self._active = False
@@ -86,12 +90,13 @@ class _FilePart:
 
     def _headers_finished(self) -> None:
         _, options = parse_options_header(self._headers.get(b"content-disposition", b""))
-        if options.get(b"name") == FILE_FIELD.encode() and not self.found:
+        if options.get(b"name") == FILE_FIELD.encode():
             self.found = self._active = True
+            self.count += 1
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._active:
-            self.pending.append(bytes(data[start:end]))
+            self.pending.append((self.count - 1, bytes(data[start:end])))
 
     def _part_end(self) -> None:
         if self._active:
@@ -202,6 +207,23 @@ class UploadSlots:
                         del self._clients[client]
 
 
+def _part_path(path: Path, index: int) -> Path:
+    return path.with_name(f".{path.name}.part{index:05d}")
+
+
+def _gather_parts(path: Path, count: int) -> None:
+    """The file parts as one folder at ``path`` (``00000.dcm`` ...), empty parts left out."""
+    path.rename(_part_path(path, 0))
+    path.mkdir()
+    for index in range(count):
+        part = _part_path(path, index)
+        if part.exists():
+            if part.stat().st_size:
+                part.rename(path / f"{index:05d}.dcm")
+            else:
+                part.unlink()
+
+
 def _too_large(received: int, limit: int) -> PayloadTooLargeError:
     return PayloadTooLargeError(
         f"the upload is larger than max_upload_bytes={limit} (stopped reading after {received} bytes)"
@@ -242,6 +264,7 @@ async def receive_upload(
     written = 0
     started = time.monotonic()
     chunks = request.stream().__aiter__()
+    extra: tuple[int, Any] | None = None  # the open file of a file part after the first
     async with await anyio.open_file(path, "wb") as sink:
         while True:
             deadline, why = pace.deadline(started, received, time.monotonic())
@@ -267,10 +290,16 @@ async def receive_upload(
                 parser.write(chunk)
             except MultipartParseError as exc:
                 raise BadParameterError(f"malformed multipart body: {exc}") from exc
-            for data in part.pending:
-                await sink.write(data)
+            for index, data in part.pending:
+                if index > 0 and (extra is None or extra[0] != index):  # the next file of a series
+                    if extra is not None:
+                        await extra[1].aclose()
+                    extra = (index, await anyio.open_file(_part_path(path, index), "wb"))
+                await (sink if index == 0 else extra[1]).write(data)  # type: ignore[index]
                 written += len(data)
             part.pending.clear()
+    if extra is not None:
+        await extra[1].aclose()
     if parser is not None and part is not None:
         try:
             parser.finalize()
@@ -278,6 +307,8 @@ async def receive_upload(
             raise BadParameterError(f"malformed multipart body: {exc}") from exc
         if not part.found:
             raise EmptyBodyError(f"the multipart form has no field {FILE_FIELD!r}")
+        if part.count > 1:
+            await anyio.to_thread.run_sync(_gather_parts, path, part.count)
     if written == 0:
         raise EmptyBodyError(
             "the request has an empty body: send the file (raw or as multipart field 'file')"

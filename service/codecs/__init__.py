@@ -1,9 +1,10 @@
 """Input decoding and output encoding, shared by the server and ``tilewise infer``.
 
 Formats are detected by content (:mod:`service.sniff`), never by file name:
-NIfTI-1 / NIfTI-2 (``.nii``, ``.nii.gz``), PNG, JPEG and TIFF; DICOM is recognized and refused
-(415) with advice. Outputs are written as ``nii.gz``, ``nii``, ``png``, ``tiff`` or ``npy``, keeping
-the input's grid (and NIfTI geometry).
+NIfTI-1 / NIfTI-2 (``.nii``, ``.nii.gz``), PNG, JPEG and TIFF; a DICOM series (a folder, a
+``.zip``, one file or one enhanced multi-frame object: :mod:`service.codecs.dicom`, the ``dicom``
+extra). Outputs are written as ``nii.gz``, ``nii``, ``png``, ``tiff``, ``npy`` or ``dicom-seg``
+(DICOM input only), keeping the input's grid (and NIfTI geometry).
 
 Two steps, so that nothing large is decoded to find out that it should not have been:
 
@@ -25,9 +26,11 @@ import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from service.codecs.dicom_seg import encode_dicom_seg
 from service.codecs.images import (
     configure_pillow,
     decode_image,
@@ -40,6 +43,9 @@ from service.codecs.nifti import decode_nifti, encode_nifti, probe_nifti
 from service.codecs.volume import OUTPUT_FORMATS, DecodedVolume, Probe
 from service.errors import BadParameterError, EmptyBodyError, ServiceError, UnsupportedMediaTypeError
 from service.sniff import DICOM_ADVICE, KINDS, Sniffed, sniff
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = [
     "KINDS",
@@ -58,12 +64,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_ENCODERS: dict[str, Callable[[DecodedVolume, np.ndarray, Path], None]] = {
+_ENCODERS: dict[str, Callable[..., None]] = {
     "nii.gz": encode_nifti,
     "nii": encode_nifti,
     "png": encode_png,
     "tiff": encode_tiff,
     "npy": encode_npy,
+    "dicom-seg": encode_dicom_seg,
 }
 # Absolute paths (two components or more) that a foreign library put into its message.
 _PATH_RE = re.compile(r"(?<![\w.])/(?:[^\s/'\"<>:]+/)+[^\s/'\"<>:,)]*")
@@ -74,6 +81,29 @@ def _scrub(message: str, path: Path) -> str:
     for known in sorted({str(path), str(path.resolve()), str(path.parent)}, key=len, reverse=True):
         message = message.replace(known, "the input")
     return _PATH_RE.sub("<path>", message)
+
+
+def _dicom_options(dicom: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``series`` and ``tilt`` for the DICOM reader (enum values as strings)."""
+    dicom = dicom or {}
+    tilt = dicom.get("tilt")
+    return {"series": dicom.get("series"), "tilt": None if tilt is None else str(tilt)}
+
+
+def _is_dicom(path: Path) -> bool:
+    """A folder, a zip or a DICOM file: read as a DICOM series (when the ``dicom`` extra is
+    installed; else a DICOM file is refused with advice, 415)."""
+    if not path.is_dir() and path.stat().st_size == 0:
+        return False
+    try:
+        import pydicom  # noqa: F401
+
+        from service.codecs.dicom_files import is_dicom_source
+    except ImportError:
+        if path.is_dir():
+            raise UnsupportedMediaTypeError(f"a folder is a DICOM series. {DICOM_ADVICE}") from None
+        return False
+    return is_dicom_source(path)
 
 
 def _sniffed(path: Path) -> Sniffed:
@@ -95,7 +125,7 @@ def _sniffed(path: Path) -> Sniffed:
     return sniffed
 
 
-def probe(path: str | Path) -> Probe:
+def probe(path: str | Path, *, dicom: Mapping[str, Any] | None = None, max_bytes: int | None = None) -> Probe:
     """What the file at ``path`` declares, from its header alone: no voxel is decoded.
 
     Costs a few hundred bytes of reading for NIfTI (inflated from the start of a ``.nii.gz``) and
@@ -114,6 +144,10 @@ def probe(path: str | Path) -> Probe:
     """
     path = Path(path)
     try:
+        if _is_dicom(path):
+            from service.codecs.dicom import probe_dicom
+
+            return probe_dicom(path, max_bytes=max_bytes, **_dicom_options(dicom))
         sniffed = _sniffed(path)
         if sniffed.kind == "nifti":
             return probe_nifti(path, sniffed)
@@ -129,6 +163,7 @@ def decode(
     max_voxels: int | None = None,
     max_image_pixels: int | None = None,
     max_bytes: int | None = None,
+    dicom: Mapping[str, Any] | None = None,
 ) -> DecodedVolume:
     """Read an image or volume, detecting its format by content.
 
@@ -141,6 +176,8 @@ def decode(
             (decompression-bomb limit).
         max_bytes: refuse inputs whose samples take more bytes once decompressed (the server
             passes its upload limit, so that a ``.nii.gz`` cannot inflate past it).
+        dicom: ``series`` (SeriesInstanceUID) and ``tilt`` for a DICOM upload (a folder, a zip
+            or a DICOM file; :func:`service.codecs.dicom.decode_dicom`).
 
     Raises:
         EmptyBodyError: the file is empty.
@@ -148,9 +185,14 @@ def decode(
         PayloadTooLargeError: beyond ``max_voxels`` / ``max_image_pixels`` / ``max_bytes``.
         DecodeError: a recognized but corrupt or truncated file (malformed header included).
         UnusableInputError: a readable file tilewise cannot represent (e.g. complex NIfTI).
+        DicomSeriesError: a DICOM upload that is no one usable series (422 ``dicom_series_invalid``).
     """
     path = Path(path)
     try:
+        if _is_dicom(path):
+            from service.codecs.dicom import decode_dicom
+
+            return decode_dicom(path, max_voxels=max_voxels, max_bytes=max_bytes, **_dicom_options(dicom))
         sniffed = _sniffed(path)
         if sniffed.kind == "nifti":
             return decode_nifti(path, sniffed, max_voxels=max_voxels, max_bytes=max_bytes)
@@ -165,7 +207,7 @@ def decode(
 def default_format(volume: DecodedVolume, output: str) -> str:
     """The output format when none is asked for: NIfTI in, ``nii.gz`` out; otherwise ``png``
     for ``output="labels"`` and ``tiff`` (float32) for ``"probabilities"``."""
-    if volume.kind == "nifti":
+    if volume.kind in ("nifti", "dicom"):
         return "nii.gz"
     return "png" if output == "labels" else "tiff"
 
@@ -181,7 +223,15 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def encode(volume: DecodedVolume, array: np.ndarray, fmt: str, path: str | Path) -> Path:
+def encode(
+    volume: DecodedVolume,
+    array: np.ndarray,
+    fmt: str,
+    path: str | Path,
+    *,
+    provenance: Any = None,
+    seg_type: str | None = None,
+) -> Path:
     """Write a model output on ``volume``'s grid to ``path`` in format ``fmt``.
 
     Args:
@@ -191,6 +241,9 @@ def encode(volume: DecodedVolume, array: np.ndarray, fmt: str, path: str | Path)
         fmt: one of :data:`OUTPUT_FORMATS`.
         path: where to write; used as given (the caller picks the suffix, ``OUTPUT_FORMATS[fmt]``
             for nibabel's gzip detection).
+        provenance: a :class:`service.provenance.Provenance` written into the file (NIfTI
+            ``descrip`` and extension, PNG ``tEXt``, TIFF description, SEG attributes).
+        seg_type: ``binary``, ``labelmap`` or ``fractional`` for ``dicom-seg``.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -205,6 +258,9 @@ def encode(volume: DecodedVolume, array: np.ndarray, fmt: str, path: str | Path)
     path = Path(path)
     if fmt.startswith("nii") and not path.name.endswith(OUTPUT_FORMATS[fmt]):
         raise ValueError(f"format={fmt} needs a path ending in {OUTPUT_FORMATS[fmt]}, got {path.name}")
-    _ENCODERS[fmt](volume, array, path)
+    if fmt == "dicom-seg":
+        encode_dicom_seg(volume, array, path, provenance, seg_type)
+    else:
+        _ENCODERS[fmt](volume, array, path, provenance)
     logger.info("encoded %s shape=%s dtype=%s", fmt, array.shape, array.dtype)
     return path

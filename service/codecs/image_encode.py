@@ -64,7 +64,7 @@ def label_image(labels: np.ndarray) -> Image.Image:
     return image
 
 
-def encode_png(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
+def encode_png(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
     """Write a 2D output as PNG.
 
     uint8 labels with one channel become a palette PNG (mode ``P``: values are the label ids,
@@ -106,17 +106,23 @@ def encode_png(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
     kwargs: dict[str, Any] = {}
     if "dpi" in volume.info:
         kwargs["dpi"] = volume.info["dpi"]
+    if provenance is not None:  # tEXt "tilewise" (service.provenance)
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        info.add_text("tilewise", provenance.json())
+        kwargs["pnginfo"] = info
     image.save(path, format="PNG", **kwargs)
 
 
-def encode_tiff(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
+def encode_tiff(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
     """Write an output as TIFF with its dtype (uint8 labels, float32 values).
 
     One channel is written as ``(*spatial)``, several as planar ``(C, *spatial)``; the layout
     is recorded in tifffile's shape metadata so ``tifffile.imread`` gives it back.
     """
     planar, channels = _planar(array, volume.spatial_dims)
-    if volume.kind != "nifti":
+    if not volume.is_volume:
         planar = _squeeze_to_2d(planar)
     data = planar[0] if channels == 1 else planar
     kwargs: dict[str, Any] = {"photometric": "minisblack"}
@@ -127,9 +133,11 @@ def encode_tiff(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
         kwargs["resolutionunit"] = "INCH"
     # tiled and compressed, BigTIFF from 4 GB (DESIGN "third wave"), as streamed outputs are
     kwargs.update(tile=(256, 256), compression="zlib", bigtiff=data.nbytes >= 2**32 - 2**25)
+    if provenance is not None:  # in tifffile's JSON ImageDescription, next to "shape"
+        kwargs["metadata"] = {"tilewise": provenance.as_dict()}
     tifffile.imwrite(path, np.ascontiguousarray(data), **kwargs)
 
 
-def encode_npy(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:  # noqa: ARG001
+def encode_npy(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:  # noqa: ARG001
     """Write the output array as ``.npy``: labels ``(*spatial)``, values ``(C, *spatial)``."""
     np.save(path, np.ascontiguousarray(array), allow_pickle=False)

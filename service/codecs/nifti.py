@@ -364,16 +364,37 @@ def _to_nifti_layout(volume: DecodedVolume, array: np.ndarray) -> np.ndarray:
     return out[:, :, None, :] if volume.spatial_dims == 2 else out
 
 
-def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
+def _stamp(header: Any, provenance: Any) -> None:
+    """``descrip`` and the provenance extension (code 6, replacing an earlier tilewise one)."""
+    from service.provenance import NIFTI_EXTENSION_CODE
+
+    header["descrip"] = provenance.descrip().encode()
+    kept = [e for e in header.extensions if not _is_ours(e)]
+    header.extensions.clear()
+    header.extensions.extend(kept)
+    header.extensions.append(nib.nifti1.Nifti1Extension(NIFTI_EXTENSION_CODE, provenance.json().encode()))
+
+
+def _is_ours(extension: Any) -> bool:
+    try:
+        return extension.get_code() == 6 and extension.get_content().startswith(b'{"tilewise"')
+    except Exception:  # noqa: BLE001 - a foreign extension that cannot be read is kept
+        return False
+
+
+def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
     """Write ``array`` (the model output on ``volume``'s grid) as NIfTI; the suffix picks gzip.
 
     A NIfTI input's header is copied (geometry bit-identical, ``pixdim`` included; data type from
-    ``array``, scaling reset, display range cleared, ``vox_offset`` recomputed). Other inputs get an
-    identity affine with both codes 0.
+    ``array``, scaling reset, display range cleared, ``vox_offset`` recomputed); so is a DICOM
+    series' (its RAS affine as qform and sform). Other inputs get an identity affine with both codes 0.
     """
-    if volume.kind != "nifti" or volume.header is None:
+    if volume.header is None:
         out = _channels_last(array, volume.spatial_dims)
-        nib.save(nib.Nifti1Image(out, np.eye(4)), str(path))  # type: ignore[no-untyped-call]
+        image = nib.Nifti1Image(out, np.eye(4))  # type: ignore[no-untyped-call]
+        if provenance is not None:
+            _stamp(image.header, provenance)
+        nib.save(image, str(path))
         return
     out = _to_nifti_layout(volume, array)
     header = volume.header.copy()
@@ -382,5 +403,7 @@ def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path) -> None:
     header["vox_offset"] = 0  # not the input's (100 is inside the header): 0 lets nibabel place the data
     header["cal_min"] = 0.0
     header["cal_max"] = 0.0
+    if provenance is not None:
+        _stamp(header, provenance)
     image = _image_class(int(volume.info.get("nifti_version", 1)))(out, None, header=header)
     nib.save(image, str(path))

@@ -15,6 +15,8 @@ __all__ = ["OUTPUT_FORMATS", "DecodedVolume", "Probe"]
 
 #: Every output format :func:`service.codecs.encode` writes, with its file suffix.
 OUTPUT_FORMATS: dict[str, str] = {f.value: f.suffix for f in OutputFormat}
+#: Kinds decoded with a NIfTI geometry (affine and header).
+_VOLUME_KINDS = ("nifti", "dicom")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +29,12 @@ class DecodedVolume:
             ``(X, Y, Z, T)`` is ``(T, X, Y, Z)``. A NIfTI volume has three spatial axes (``Z`` may
             be 1: see :attr:`single_slice`); a true 2D NIfTI ``(X, Y)`` has two, ``(1, X, Y)``.
             NIfTI intensity scaling is applied (float32 then); otherwise the stored dtype is kept.
-        kind: ``"nifti"``, ``"png"``, ``"jpeg"`` or ``"tiff"``.
-        header: the NIfTI header (a copy) for ``kind == "nifti"``, else ``None``.
-        affine: the NIfTI best affine (4x4) for ``kind == "nifti"``, else ``None``.
+        kind: ``"nifti"``, ``"png"``, ``"jpeg"``, ``"tiff"`` or ``"dicom"`` (a series, decoded as a
+            NIfTI volume ``(1, X, Y, Z)`` would be: :mod:`service.codecs.dicom`).
+        header: the NIfTI header (a copy) for ``kind == "nifti"``, one made from the series'
+            RAS affine for ``"dicom"``, else ``None``.
+        affine: the NIfTI best affine (4x4) for ``kind == "nifti"``, the series' RAS affine for
+            ``"dicom"``, else ``None``.
         nifti_ndim: number of dimensions the NIfTI stored (``dim[0]``: 2 to 7), else 0.
         info: image metadata kept for the output (``dpi``; ``mode`` and ``source`` for logs).
     """
@@ -59,12 +64,12 @@ class DecodedVolume:
     @property
     def single_slice(self) -> bool:
         """A NIfTI of one slice ``(X, Y, 1)``: an image for 2D models, a thin volume for 3D ones."""
-        return self.kind == "nifti" and self.spatial_dims == 3 and self.data.shape[-1] == 1
+        return self.kind in _VOLUME_KINDS and self.spatial_dims == 3 and self.data.shape[-1] == 1
 
     @property
     def is_volume(self) -> bool:
-        """Whether the default output format is NIfTI (the input was a NIfTI)."""
-        return self.kind == "nifti"
+        """Whether the default output format is NIfTI (the input was a NIfTI or a DICOM series)."""
+        return self.kind in _VOLUME_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +98,7 @@ class Probe:
     @property
     def format_name(self) -> str:
         """The format as people write it: ``NIfTI``, ``PNG``, ``JPEG``, ``TIFF``."""
-        return "NIfTI" if self.kind == "nifti" else self.kind.upper()
+        return {"nifti": "NIfTI", "dicom": "DICOM series"}.get(self.kind, self.kind.upper())
 
     @property
     def spatial_dims(self) -> int:
@@ -108,7 +113,7 @@ class Probe:
     @property
     def single_slice(self) -> bool:
         """A NIfTI volume of one slice ``(X, Y, 1)``: also an image for 2D models."""
-        return self.kind == "nifti" and self.is_3d and self.spatial_shape[-1] == 1
+        return self.kind in _VOLUME_KINDS and self.is_3d and self.spatial_shape[-1] == 1
 
     @property
     def voxels(self) -> int:
@@ -135,7 +140,7 @@ class Probe:
             PayloadTooLargeError: naming the limit and the declared figure.
         """
         shape, kind = "x".join(str(n) for n in self.spatial_shape), self.format_name
-        if max_image_pixels is not None and self.kind != "nifti":
+        if max_image_pixels is not None and self.kind not in _VOLUME_KINDS:
             pixels = self.spatial_shape[-1] * self.spatial_shape[-2]
             if pixels > max_image_pixels:
                 raise PayloadTooLargeError(

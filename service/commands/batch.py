@@ -62,8 +62,10 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("input_dir", type=Path, metavar="INPUT_DIR", help="folder of inputs")
-    parser.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR", help="folder of outputs")
+    parser.add_argument(
+        "input_dir", type=Path, metavar="INPUT_DIR", help="folder of inputs (with --dicomweb: OUTPUT_DIR)"
+    )
+    parser.add_argument("output_dir", type=Path, nargs="?", metavar="OUTPUT_DIR", help="folder of outputs")
     conn = parser.add_argument_group("server")
     conn.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000 (env TILEWISE_URL)")
     conn.add_argument("--model", required=True, help="model name, e.g. gaussian-3d")
@@ -101,6 +103,15 @@ def register(sub: Any) -> None:
         type=_positive_float,
         help="seconds to wait for a connection, a send or the answer of one file (default: 300)",
     )
+    pacs = parser.add_argument_group("DICOMweb (instead of INPUT_DIR: every image series of a study)")
+    pacs.add_argument(
+        "--dicomweb", metavar="URL", help="DICOMweb root of a PACS, e.g. http://pacs:8042/dicom-web"
+    )
+    pacs.add_argument(
+        "--study", metavar="UID", help="StudyInstanceUID whose series are run (with --dicomweb)"
+    )
+    pacs.add_argument("--dicomweb-username", help="DICOMweb user (env TILEWISE_DICOMWEB_USERNAME)")
+    pacs.add_argument("--dicomweb-password", help="DICOMweb password (env TILEWISE_DICOMWEB_PASSWORD)")
     sel = parser.add_argument_group("files")
     sel.add_argument(
         "--pattern",
@@ -178,6 +189,13 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("batch not started: %s", exc)
         return 2
+    if args.dicomweb or args.study:
+        return _run_dicomweb(args, settings, params)
+    if args.output_dir is None:
+        logger.error(
+            "batch not started: give INPUT_DIR and OUTPUT_DIR (or --dicomweb URL --study UID OUTPUT_DIR)"
+        )
+        return 2
     options = BatchOptions(
         input_dir=args.input_dir,
         output_dir=args.output_dir,
@@ -210,3 +228,34 @@ def _run(args: argparse.Namespace) -> int:
     )
     sys.stdout.flush()
     return 0 if outcome.ok else 1
+
+
+def _run_dicomweb(args: argparse.Namespace, settings: Any, params: dict[str, str]) -> int:
+    """``--dicomweb URL --study UID OUTPUT_DIR``: every image series of the study (exit 0, 1 or 2)."""
+    import os
+
+    from service.client import ClientError, TilewiseClient
+    from service.client.dicomweb_batch import run_dicomweb_batch
+    from service.dicomweb import DicomwebError
+
+    if not (args.dicomweb and args.study) or args.output_dir is not None:
+        logger.error("batch not started: give --dicomweb URL --study UID OUTPUT_DIR (no INPUT_DIR)")
+        return 2
+    username = args.dicomweb_username or os.environ.get("TILEWISE_DICOMWEB_USERNAME")
+    password = args.dicomweb_password or os.environ.get("TILEWISE_DICOMWEB_PASSWORD")
+    try:
+        with TilewiseClient(settings) as client:
+            results = run_dicomweb_batch(
+                client, args.dicomweb, args.study, args.input_dir, args.model, params,
+                username=username, password=password,
+            )  # fmt: skip
+    except KeyboardInterrupt:
+        logger.error("interrupted")
+        return 130
+    except (ClientError, DicomwebError, ValueError) as exc:
+        logger.error("batch not started: %s", exc)
+        return 2
+    failed = [r for r in results if r.error is not None]
+    sys.stdout.write(f"series done {len(results) - len(failed)}, failed {len(failed)}\n")
+    sys.stdout.flush()
+    return 1 if failed else 0

@@ -84,6 +84,9 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--dask-scheduler", "dask_scheduler", str, "Dask scheduler (tcp://host:8786) for large jobs (unset)"),
     ("--dask-min-voxels", "dask_min_voxels", _count, "jobs above this many voxels go to Dask (64000000)"),
     ("--dask-workdir", "dask_workdir", Path, "folder Dask workers share for zarr copies (the job's)"),
+    ("--dicomweb-url", "dicomweb_url", str, "DICOMweb root that jobs by study/series UID use (unset)"),
+    ("--dicomweb-username", "dicomweb_username", str, "DICOMweb user (basic authentication)"),
+    ("--dicomweb-password", "dicomweb_password", str, "DICOMweb password (prefer the environment variable)"),
 )
 
 

@@ -61,6 +61,7 @@ def job_status(record: JobRecord) -> dict[str, Any]:
         "error": record.error.model_dump() if record.error else None,
         "params": record.query,
         "stage": record.stage,
+        **({"stored": record.stored} if record.stored else {}),
     }
 
 

@@ -76,6 +76,9 @@ class JobRecord(_Model):
         cluster: the Dask scheduler the job runs on, if any.
         error: why it failed (``None`` otherwise).
         result: the output file once done.
+        dicomweb: a job whose input is a series on the DICOMweb server (``study``, ``series``,
+            ``store``: :mod:`service.jobs.dicomweb_job`).
+        stored: the UIDs (``study``, ``series``, ``sop_instance``) of the SEG stored back, once done.
     """
 
     id: str
@@ -98,6 +101,8 @@ class JobRecord(_Model):
     cluster: str | None = None
     error: JobError | None = None
     result: JobResult | None = None
+    dicomweb: dict[str, Any] | None = None
+    stored: dict[str, str] | None = None
 
     def to_json(self) -> bytes:
         """The record as ``state.json`` holds it."""

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -40,6 +41,7 @@ from service.errors import NotReadyError, QueueFullError
 from service.executor import DeviceExecutor, Slot
 from service.http_errors import classify
 from service.jobs.checkpoint import SlabCheckpoint
+from service.jobs.dicomweb_job import store_job_result
 from service.jobs.lease import Lease, Leases
 from service.jobs.progress import RunProgress
 from service.jobs.record import JobError, JobRecord, JobResult, JobState
@@ -256,6 +258,9 @@ class JobService:
                     checkpoint=checkpoint if tiled is None else None,
                     tiled=tiled,
                 )
+            stored = store_job_result(self.settings, record, result.path)  # store=true: STOW-RS
+            if stored is not None:
+                record.stored = stored
         except RunCancelledError:
             with progress.lock:
                 if self.store.cancel_requested(job_id):
@@ -321,7 +326,10 @@ class JobService:
         if state is not JobState.DONE:
             doomed += [p for p in folder.glob("output.*")]
         for path in doomed:
-            path.unlink(missing_ok=True)
+            if path.is_dir():  # a DICOM series (several files, or pulled by DICOMweb)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         self.store.finished(record)
         self.metrics.jobs.labels(state.value).inc()
         logger.info("job %s: %s%s", job_id, state.value, f" ({error.error})" if error else "")

@@ -85,7 +85,7 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "decompressed bytes / compression ratio, or a plan whose predicted memory is over "
         "max_request_bytes (`over_budget`).",
     ),
-    415: error_doc("unsupported_media_type", "Not NIfTI-1/2, PNG, JPEG or TIFF (by content)."),
+    415: error_doc("unsupported_media_type", "Not NIfTI-1/2, PNG, JPEG, TIFF or DICOM (by content)."),
     422: error_doc(
         "unusable_input",
         "Corrupt/truncated file, wrong dimensionality or channels, NaN-only, an implausible voxel "
@@ -110,7 +110,9 @@ _OPENAPI = {
         "required": True,
         "description": "The image or volume: the raw file (`curl --data-binary @scan.nii.gz`) or a "
         "multipart form with the field `file` (`curl -F file=@scan.nii.gz`). The format is detected "
-        "by content: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG, TIFF.",
+        "by content: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG, TIFF, or a DICOM series (a zip, several "
+        "multipart `file` parts, or one enhanced multi-frame object; 422 `dicom_series_invalid` names "
+        "what makes it no one volume).",
         "content": {
             "application/octet-stream": {"schema": {"type": "string", "format": "binary", "minLength": 1}},
             "multipart/form-data": {

@@ -37,6 +37,7 @@ from service.errors import (
 )
 from service.executor import Slot
 from service.jobs import JobRecord, JobService, JobState, event_stream, job_status
+from service.jobs.dicomweb_job import DICOMWEB_KEYS, dicomweb_request, pull_job_input
 from service.jobs.store import INPUT_FILE
 from service.precheck import Limits
 from service.requestid import current_request_id
@@ -138,7 +139,7 @@ def _parse(request: Request, repository: Any) -> tuple[str, InferenceParams]:
     if any(key == "dry_run" for key, _ in items):
         raise BadParameterError("a job always runs; for a plan, POST /v1/models/{name}/infer?dry_run=true")
     label = str(repository.spec(names[0]).name)
-    return label, parse_query([(k, v) for k, v in items if k != "model"])
+    return label, parse_query([(k, v) for k, v in items if k not in ("model", *DICOMWEB_KEYS)])
 
 
 _SUBMIT_OPENAPI = {
@@ -207,6 +208,7 @@ async def submit_job(
         raise NotReadyError("models are not loaded (starting or shutting down)")
     store = service.store
     label, params = _parse(request, repository)
+    dicomweb, params = dicomweb_request(request.query_params.multi_items(), params, settings)
     Budget.from_settings(settings).check_params(params)
     check_request(repository.spec(label), params)
     query = params.to_query()
@@ -231,9 +233,14 @@ async def submit_job(
             folder = job_folder
             pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s,
                         pressure=state.uploads.pressure)  # fmt: skip
-            source, n_bytes = await receive_upload(
-                request, job_folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
-            )
+            if dicomweb is not None:  # no body: the series comes from the DICOMweb server
+                source, n_bytes = await anyio.to_thread.run_sync(
+                    pull_job_input, settings, dicomweb, job_folder / INPUT_FILE
+                )
+            else:
+                source, n_bytes = await receive_upload(
+                    request, job_folder / INPUT_FILE, max_bytes=settings.max_upload_bytes, pace=pace
+                )
         metrics.bytes_in.inc(n_bytes)
         digest = None
         if key_hash is not None:
@@ -247,6 +254,9 @@ async def submit_job(
         record, lease = await anyio.to_thread.run_sync(
             service.create, job_id, label, query, key_hash, principal.name
         )
+        if dicomweb is not None:  # what the runner stores back (service.jobs.dicomweb_job)
+            record.dicomweb = dicomweb
+            await anyio.to_thread.run_sync(functools.partial(store.write, record, durable=True))
         if key_hash is not None:
             bound = await anyio.to_thread.run_sync(store.bind_key, key_hash, job_id, digest)
             if bound != job_id:  # a concurrent submission with this key made the job first

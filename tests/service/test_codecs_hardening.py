@@ -31,7 +31,6 @@ from service.errors import (
     DecodeError,
     PayloadTooLargeError,
     ServiceError,
-    UnsupportedMediaTypeError,
     UnusableInputError,
 )
 from service.http_errors import STATUS, classify
@@ -563,12 +562,12 @@ def test_2d_nifti_over_http_a_3d_model_refuses_it_a_2d_model_keeps_it_2d(http) -
     assert http.post("/v1/models/gaussian-3d/infer", content=one_slice).status_code == 200
 
 
-def test_dicom_over_http_is_415_with_advice(http) -> None:
+def test_dicom_over_http_is_read_as_a_series(http) -> None:
     data = pytest.importorskip("pydicom.data")
     dicom = Path(data.get_testdata_file("CT_small.dcm")).read_bytes()
-    response = http.post("/v1/models/gaussian-2d/infer", content=dicom)
-    assert response.status_code == 415, response.text
-    assert response.json()["error"] == "unsupported_media_type" and "dcm2niix" in response.json()["detail"]
+    response = http.post("/v1/models/gaussian-2d/infer", content=dicom)  # one slice: an image too
+    assert response.status_code == 200, response.text
+    assert response.headers["x-tilewise-format"] == "nii.gz"
 
 
 # -- label PNGs -------------------------------------------------------------------------------------
@@ -603,15 +602,13 @@ def dicom_path(request: pytest.FixtureRequest) -> Iterator[Path]:
     yield Path(data.get_testdata_file(request.param))
 
 
-def test_dicom_is_detected_by_its_marker_and_refused_with_advice(dicom_path: Path) -> None:
+def test_dicom_is_detected_by_its_marker_and_read_as_a_series(dicom_path: Path) -> None:
     raw = dicom_path.read_bytes()
     assert raw[128:132] == b"DICM" and raw[:4] == b"II*\x00"  # the preamble looks like a TIFF
     assert sniff(dicom_path).kind == "dicom"
-    with pytest.raises(UnsupportedMediaTypeError, match="dcm2niix") as info:
-        decode(dicom_path)
-    assert classify(info.value).status == 415 and "NIfTI" in str(info.value)
-    with pytest.raises(UnsupportedMediaTypeError, match="DICOM"):
-        probe(dicom_path)
+    volume = decode(dicom_path)  # tests/service/test_dicom_series.py: the geometry against dcm2niix
+    assert volume.kind == "dicom" and volume.single_slice
+    assert probe(dicom_path).spatial_shape == volume.spatial_shape
 
 
 def test_decoded_volume_single_slice_needs_three_axes() -> None:

@@ -172,7 +172,9 @@ def test_openapi_states_the_closed_value_sets(app_client: InProcessClient) -> No
     spec = app_client.get("/openapi.json").json()
     operation = spec["paths"]["/v1/models/{name}/infer"]["post"]
     enums = {p["name"]: p["schema"].get("enum") for p in operation["parameters"] if p["in"] == "query"}
-    assert enums["format"] == ["nii.gz", "nii", "png", "tiff", "npy"]
+    assert enums["format"] == ["nii.gz", "nii", "png", "tiff", "npy", "dicom-seg"]
+    assert enums["tilt"] == ["refuse", "resample"]
+    assert enums["seg_type"] == ["binary", "labelmap", "fractional"]
     assert enums["blend"] == ["constant", "gaussian", "hann", "triangular"]
     assert enums["output"] == ["probabilities", "labels"]
     assert enums["tta"] == ["none", "mirror"]

@@ -74,7 +74,8 @@ def test_option_lists_match_the_engine_and_the_codecs() -> None:
     from tiling import BlendMode
 
     assert [b.value for b in Blend] == [mode.value for mode in BlendMode]
-    assert FORMAT_SUFFIXES == OUTPUT_FORMATS == {f.value: "." + f.value for f in OutputFormat}
+    suffixes = {f.value: "." + f.value for f in OutputFormat} | {"dicom-seg": ".dcm"}
+    assert FORMAT_SUFFIXES == OUTPUT_FORMATS == suffixes
 
 
 def test_cli_options_come_from_the_schema() -> None:
@@ -206,6 +207,7 @@ def test_every_public_exception_has_an_http_mapping() -> None:
         "DistributedError": 422, "TileDependentError": 422, "ClusterUnavailableError": 503,
         "InsufficientStorageError": 507,
         "ForbiddenError": 403, "CrossOriginError": 403, "BadHostError": 400,
+        "DicomSeriesError": 422,
     }  # fmt: skip
     classes = [*_public_errors(service_errors), *_public_errors(model_errors), *_public_errors(tiling_errors)]
     assert {c.__name__ for c in classes} == set(expected)
