@@ -135,7 +135,11 @@ class RegionPreprocessed:
         x = self._raw(spatial)
         for fn in self._steps[:upto]:
             x = fn(x)
-        return np.ascontiguousarray(x, dtype=np.float32) if upto is None else x
+        if upto is not None:
+            return x
+        out = np.ascontiguousarray(x, dtype=np.float32)
+        # non-finite voxels become 0 after the steps, as in models.preprocess (MONAI / nnU-Net)
+        return np.nan_to_num(out, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
 
     def _slabs(self) -> list[tuple[slice, ...]]:
         """Slabs of about :data:`SLAB_BYTES` along :attr:`slab_axis` covering the image."""
@@ -184,7 +188,8 @@ class RegionPreprocessed:
             while len(moments) < len(groups):
                 moments.append(_Moments())
             for m, values in zip(moments, groups, strict=False):
-                m.add(values[values != 0] if nonzero else values.reshape(-1))
+                picked = values[values != 0] if nonzero else values.reshape(-1)
+                m.add(picked[np.isfinite(picked)])  # statistics ignore NaN and inf
 
         self._stat_pass(gather)
         stats = [(m.mean, m.std, m.n) for m in moments]

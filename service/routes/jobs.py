@@ -124,10 +124,16 @@ def _same_body(store: Any, job_id: str, key_hash: str, digest: str) -> None:
 
 
 def _file_sha256(path: Path) -> str:
+    """SHA-256 of an uploaded body: the file, or a folder's files (a DICOM series sent as several
+    parts) by their sorted relative names and contents."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
