@@ -17,16 +17,18 @@ import yaml
 
 from models.errors import UnknownModelError
 
-__all__ = ["check_model_name", "model_names"]
+__all__ = ["SPEC_SUFFIXES", "check_model_name", "declared_name", "model_names"]
 
 _BUILTIN_DIR = Path(__file__).parent / "builtin"
-_SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+#: File suffixes of model specs in a models folder.
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 #: :data:`models.textdet.TEXT_DET_NAME` and ``TEXT_DET_FILE`` (that module loads torch).
 _TEXT_DET = ("text-det-2d", "ch_PP-OCRv4_det_infer.onnx")
 _DEFAULT_USER_DIR = Path("~/.cache/tilewise/models")
 
 
-def _declared(path: Path) -> str:
+def declared_name(path: Path) -> str:
+    """The ``name`` a spec file declares, else its file stem (no torch imported)."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
@@ -38,7 +40,7 @@ def _declared(path: Path) -> str:
 def _folder_names(folder: Path) -> set[str]:
     if not folder.is_dir():
         return set()
-    names = {_declared(p) for p in folder.iterdir() if p.suffix in _SPEC_SUFFIXES and p.is_file()}
+    names = {declared_name(p) for p in folder.iterdir() if p.suffix in SPEC_SUFFIXES and p.is_file()}
     if (folder / _TEXT_DET[1]).is_file():
         names.add(_TEXT_DET[0])
     return names

@@ -18,12 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from models.backends import BasePredictor, load_predictor
 from models.errors import ModelError, ModelUnavailableError, RegistryError, UnknownModelError
 from models.measured import MeasurementStore
 from models.model import Model
+from models.names import SPEC_SUFFIXES, declared_name
 from models.spec import ModelSpec, load_spec
 from models.textdet import TEXT_DET_FILE, TEXT_DET_NAME, text_det_spec
 from models.warmup import check_forward, reason
@@ -35,17 +34,6 @@ logger = logging.getLogger(__name__)
 #: Model folder used when settings name none: ``~/.cache/tilewise/models`` (home expanded).
 DEFAULT_MODELS_DIR = Path("~/.cache/tilewise/models").expanduser()
 _BUILTIN_DIR = Path(__file__).parent / "builtin"
-_SPEC_SUFFIXES = (".yaml", ".yml", ".json")
-
-
-def _declared_name(path: Path) -> str:
-    """The ``name`` a spec file declares (for listing it when it fails), else its file stem."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        data = None
-    name = data.get("name") if isinstance(data, dict) else None
-    return name if isinstance(name, str) and name else path.stem
 
 
 class ModelRepository:
@@ -107,7 +95,7 @@ class ModelRepository:
         builtins = set(self._specs)
         own: dict[str, Path] = {}
         if self.models_dir.is_dir():
-            for path in sorted(p for p in self.models_dir.iterdir() if p.suffix in _SPEC_SUFFIXES):
+            for path in sorted(p for p in self.models_dir.iterdir() if p.suffix in SPEC_SUFFIXES):
                 self._add_file(path, own, builtins)
         if TEXT_DET_NAME not in self._specs and (self.models_dir / TEXT_DET_FILE).is_file():
             self.add(text_det_spec(self.models_dir))
@@ -122,8 +110,8 @@ class ModelRepository:
         """Add the models of the user's folder (``tilewise setup-models``: brain-mask-3d,
         text-det-2d) whose names ``models_dir`` and the built-ins do not take."""
         own: dict[str, Path] = {}
-        for path in sorted(p for p in user.iterdir() if p.suffix in _SPEC_SUFFIXES):
-            if _declared_name(path) not in taken:
+        for path in sorted(p for p in user.iterdir() if p.suffix in SPEC_SUFFIXES):
+            if declared_name(path) not in taken:
                 self._add_file(path, own, set())
         free = TEXT_DET_NAME not in self._specs and TEXT_DET_NAME not in taken
         if free and (user / TEXT_DET_FILE).is_file():
@@ -133,7 +121,7 @@ class ModelRepository:
 
     def _add_file(self, path: Path, own: dict[str, Path], builtins: set[str]) -> None:
         """Register one spec file of ``models_dir`` (or list its name as unavailable)."""
-        name = _declared_name(path)
+        name = declared_name(path)
         if name in own:
             error: ModelError = RegistryError(f"model {name!r} is defined twice: {own[name]} and {path}")
             self._fail(name, None, error)
