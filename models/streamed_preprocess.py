@@ -103,6 +103,8 @@ class RegionPreprocessed:
             raise InputError(f"model {spec.name!r} takes {spec.spatial_dims} spatial axes, got {spatial}")
         self.slab_axis = int(getattr(source, "slab_axis", 0))
         self._steps: list[Callable[[npt.NDArray[Any]], npt.NDArray[Any]]] = []
+        #: Non-finite (NaN, inf) input voxels, counted when ``check_finite`` and the input is float.
+        self.nonfinite = 0
         if check_finite and np.dtype(source.dtype).kind == "f":
             self._check_finite()
         for step in spec.preprocess:
@@ -139,7 +141,9 @@ class RegionPreprocessed:
             return x
         out = np.ascontiguousarray(x, dtype=np.float32)
         # non-finite voxels become 0 after the steps, as in models.preprocess (MONAI / nnU-Net)
-        return np.nan_to_num(out, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+        if np.isfinite(out).all():
+            return out
+        return np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0)
 
     def _slabs(self) -> list[tuple[slice, ...]]:
         """Slabs of about :data:`SLAB_BYTES` along :attr:`slab_axis` covering the image."""
@@ -160,10 +164,15 @@ class RegionPreprocessed:
         return slabs
 
     def _check_finite(self) -> None:
+        """Count the non-finite input voxels (:attr:`nonfinite`, replaced by 0 after the steps);
+        refuse an input without a finite one."""
+        finite = False
         for slab in self._slabs():
-            if np.isfinite(self._raw(slab)).any():
-                return
-        raise InputError("the input holds no finite value (all NaN or infinite)")
+            good = np.isfinite(self._raw(slab))
+            finite = finite or bool(good.any())
+            self.nonfinite += int(good.size - np.count_nonzero(good))
+        if not finite:
+            raise InputError("the input holds no finite value (all NaN or infinite)")
 
     def _prepare(self, step: PreprocessStep) -> Callable[[npt.NDArray[Any]], npt.NDArray[Any]]:
         """The step as a function of one region, with its whole-image statistics computed now."""

@@ -52,7 +52,7 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
     streams = streamed_check(model, source, params)
     header = check_input(spec, source, limits, params, streamed=streams)
     shape = model_shape(spec, header, params)
-    check_model_grid(spec, header, shape, params, limits)
+    check_model_grid(spec, header, shape, params, limits, streamed=streams(header))
     footprint = model.footprint()
     held = held_beside(spec, header, streamed=streams(header))
     plan = model.plan(
@@ -106,6 +106,17 @@ def _disk_bytes(model: Model, source: Path, header: Any, params: InferenceParams
     fmt = output_format(header.kind, spec, params)
     gzipped = streamed and header.kind == "nifti" and sniff(source).gzipped
     if streamed:
-        return disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped, output_dtype(params, labels))
+        return disk_bytes(
+            header,
+            fmt,
+            int(spec.out_channels),
+            labels,
+            gzipped,
+            output_dtype(params, labels, int(spec.out_channels)),
+        )
     voxels = int(np.prod(header.spatial_shape))
-    return voxels * (1 if labels else output_dtype(params, labels).itemsize * int(spec.out_channels))
+    return voxels * (
+        1
+        if labels
+        else output_dtype(params, labels, int(spec.out_channels)).itemsize * int(spec.out_channels)
+    )

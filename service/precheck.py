@@ -174,17 +174,19 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
         labels = str(params.output or spec.defaults.output) == "labels"
         gzipped = header.kind == "nifti" and sniff(source).gzipped
         fmt = output_format(header.kind, spec, params)
-        dtype = output_dtype(params, labels)
+        dtype = output_dtype(params, labels, int(spec.out_channels))
         check_disk(source.parent, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped, dtype))
     if limits.budget is None:
-        check_model_grid(spec, header, model_shape(spec, header, params), params, limits)
+        check_model_grid(
+            spec, header, model_shape(spec, header, params), params, limits, streamed=streams(header)
+        )
     else:
         if params.merged(spec.defaults).halo == "auto":
             params = params.model_copy(update={"halo": 0})
         footprint = model.known_footprint or Footprint.estimate(int(spec.in_channels))
         held = held_beside(spec, header, streamed=streams(header))
         shape = model_shape(spec, header, params)
-        check_model_grid(spec, header, shape, params, limits)
+        check_model_grid(spec, header, shape, params, limits, streamed=streams(header))
         plan = model.plan(shape, params, memory_budget=limits.memory_budget, footprint=footprint, **held)
         limits.budget.check_plan(
             plan, int(spec.in_channels), int(spec.out_channels), footprint=footprint, **held
@@ -231,11 +233,18 @@ def held_beside(spec: Any, header: Probe, *, streamed: bool) -> dict[str, Any]:
 
 
 def check_model_grid(
-    spec: Any, header: Probe, shape: tuple[int, ...], params: InferenceParams, limits: Limits
+    spec: Any,
+    header: Probe,
+    shape: tuple[int, ...],
+    params: InferenceParams,
+    limits: Limits,
+    *,
+    streamed: bool = False,
 ) -> None:
     """Refuse an input whose model grid ``shape`` (:func:`model_shape`) is beyond ``max_voxels``, or
     whose spacing is implausible for the model (:func:`check_spacing`): the limits hold for what
-    the network will see, not only for what the header declares.
+    the network will see, not only for what the header declares. A ``streamed`` input (read by
+    region, never decoded whole) is bounded by memory and disk instead of ``max_voxels``.
 
     Raises:
         UnusableInputError: see :func:`check_spacing` (422).
@@ -243,7 +252,7 @@ def check_model_grid(
     """
     check_spacing(spec, header, params)
     voxels = math.prod(shape) * int(spec.in_channels)
-    if limits.max_voxels is not None and voxels > limits.max_voxels:
+    if not streamed and limits.max_voxels is not None and voxels > limits.max_voxels:
         raise PayloadTooLargeError(
             f"the input ({'x'.join(map(str, header.spatial_shape))}) resampled to the model grid is "
             f"{'x'.join(map(str, shape))} with {spec.in_channels} channel(s): {voxels} voxels; the "

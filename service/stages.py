@@ -131,7 +131,7 @@ def disk_bytes(
     from service.writers import output_disk_bytes
 
     spatial = tuple(int(n) for n in header.spatial_shape)
-    dtype = np.uint8 if labels else (dtype or np.float32)
+    dtype = dtype or (np.uint8 if labels else np.float32)
     out = output_disk_bytes(fmt, spatial, 1 if labels else out_channels, dtype)
     return out + (int(header.nbytes) if gzipped else 0)
 
@@ -221,7 +221,7 @@ def prepare(
     labels = p.output == OutputKind.LABELS
     gzipped = header.kind == "nifti" and sniff(source).gzipped
     folder = path.parent
-    dtype = output_dtype(params, labels)
+    dtype = output_dtype(params, labels, int(spec.out_channels))
     check_disk(folder, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped, dtype))
     tmp = tempfile.TemporaryDirectory(prefix=".tilewise-", dir=folder)
     workdir = Path(tmp.name)
@@ -233,6 +233,11 @@ def prepare(
         x = RegionPreprocessed(regions, spec, as_float=mapping.as_float)
         held = held_beside(spec, header, streamed=True)
         plan = model.plan(x.shape[1:], params, memory_budget=limits.memory_budget, **held)
+        if x.nonfinite:  # replaced by 0 after preprocessing, as on the whole path (service.pipeline)
+            said = (
+                f"{x.nonfinite} non-finite input voxel(s) (NaN or inf) were replaced by 0 after preprocessing"
+            )
+            plan = dataclasses.replace(plan, warning=f"{plan.warning}; {said}" if plan.warning else said)
         seam = model.seam_stats(plan)
         if limits.budget is not None:
             footprint = model.footprint()

@@ -187,10 +187,14 @@ def _open(
     raise ValueError(f"format {fmt!r} is not written as a stream")
 
 
-def output_dtype(params: Any, labels: bool) -> np.dtype[Any]:
-    """The output's dtype: uint8 labels; probabilities per ``output_dtype`` (float32 default)."""
+def output_dtype(params: Any, labels: bool, n_classes: int = 256) -> np.dtype[Any]:
+    """The output's dtype: labels in the smallest unsigned integer holding ``n_classes`` labels
+    (:func:`models.preprocess.label_dtype`: uint8 up to 256); probabilities per ``output_dtype``
+    (float32 default)."""
     if labels:
-        return np.dtype(np.uint8)
+        from models.preprocess import label_dtype
+
+        return np.dtype(label_dtype(n_classes))
     return np.dtype(str(params.output_dtype or "float32"))
 
 

@@ -122,7 +122,7 @@ def register(sub: Any) -> None:
         const=True,
         default=None,
         help="serve without an API key on an address other than loopback (anyone who reaches it sees "
-        "every job); TILEWISE_ALLOW_ANONYMOUS=true",
+        "every job); TILEWISE_ALLOW_ANONYMOUS=true (default: off)",
     )
     parser.add_argument(
         "--strict-models",

@@ -74,6 +74,7 @@ def exposure_problems(compose: dict[str, Any], dockerfiles: dict[str, str]) -> l
             if "TILEWISE_API_KEY" not in env and "TILEWISE_API_KEYS" not in env:
                 problems.append(f"{name} is given no way to receive an API key")
     for name, text in dockerfiles.items():
+        text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
         if re.search(r"TILEWISE_ALLOW_ANONYMOUS\s*=\s*[\"']?(1|true|yes|on)", text, re.I):
             problems.append(f"{name} makes the image anonymous by default")
         if "--allow-anonymous" in text:
