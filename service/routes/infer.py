@@ -185,16 +185,20 @@ def _execute(
     stop: threading.Event,
     batches: Any = None,
     queued_at: float | None = None,
+    deadline: RunDeadline | None = None,
 ) -> Prepared:
-    """Device-thread stage of a streamed request: only its tiled network passes."""
+    """Device-thread stage of a streamed request: only its tiled network passes (stopped past
+    twice ``max_request_seconds`` by ``deadline``, 422)."""
     if queued_at is not None:
         metrics.stage_seconds.labels("queue").observe(time.perf_counter() - queued_at)
     model = prepared.model
     tiles = metrics.tiles.labels(model.spec.name)
     shared = batches.bind(model) if batches is not None else contextlib.nullcontext()
     try:
-        with shared:
-            execute(prepared, RunOptions(tiles.inc, stop.is_set))
+        running = deadline.running() if deadline is not None else contextlib.nullcontext()
+        with shared, running:
+            stopper = deadline.should_stop(stop.is_set) if deadline is not None else stop.is_set
+            execute(prepared, RunOptions(tiles.inc, stopper))
     except BaseException:
         prepared.close()
         raise
@@ -327,7 +331,9 @@ async def infer(
             run = (repository, label, source, stem, params, limits, metrics, stop, batches)
             work: Any = functools.partial(_work, *run, time.perf_counter())
         else:  # only the tiled passes on the device thread
-            work = functools.partial(_execute, prepared, metrics, stop, batches, time.perf_counter())
+            work = functools.partial(
+                _execute, prepared, metrics, stop, batches, time.perf_counter(), RunDeadline.of(limits)
+            )
         state.stops.add(stop)
         future = executor.submit_future(work, slot=slot)
         outcome = await _await_job(future, request)
