@@ -77,7 +77,12 @@ class NiftiRegions(RegionSource):
         klass = nib.Nifti2Image if int(header.info.get("nifti_version", 1)) == 2 else nib.Nifti1Image
         holder = nib.fileholders.FileHolder(filename=str(path))  # any name: uploads have no suffix
         try:
-            image = klass.from_file_map({"image": holder, "header": holder})
+            try:
+                image = klass.from_file_map({"image": holder, "header": holder})
+            except nib.spatialimages.HeaderDataError as exc:
+                if "vox offset" not in str(exc):
+                    raise
+                image = _with_offset_fixed(klass, path)  # as service.codecs.nifti reads it
         except (OSError, ValueError, nib.spatialimages.HeaderDataError) as exc:
             raise DecodeError(f"corrupt NIfTI header: {exc}") from exc
         proxy = image.dataobj
@@ -244,3 +249,17 @@ def _inflate(source: Path, target: Path, declared: int) -> None:
     except (OSError, EOFError, zlib.error) as exc:
         raise DecodeError(f"corrupt or truncated NIfTI (gzip): {exc}") from exc
     logger.info("inflated a .nii.gz input to %d bytes on disk for region reads", written)
+
+
+def _with_offset_fixed(klass: Any, path: Path) -> Any:
+    """The image of a single-file NIfTI whose ``vox_offset`` lies inside its header (e.g. 100), read
+    as :func:`service.codecs.nifti.decode_nifti` reads it: the data starts right after the header
+    (nibabel's rule), never inside it."""
+    import nibabel as nib
+
+    with open(path, "rb") as f:
+        header = klass.header_class.from_fileobj(f, check=False)
+    size = int(header["sizeof_hdr"])
+    header["vox_offset"] = max(int(float(header["vox_offset"])), size + 4)
+    proxy = nib.arrayproxy.ArrayProxy(str(path), header)
+    return klass(proxy, None, header)

@@ -32,7 +32,7 @@ def test_no_bar_without_progress(anatomical_path: Path, tmp_path: Path, capfd) -
         ("out.jpg", [], "does not write .jpg"),
         ("out.JPEG", [], "does not write .jpeg"),
         ("out.bmp", [], "does not write .bmp"),
-        ("out.dcm", ["--format", "nii"], "does not write .dcm"),
+        ("out.dcm", ["--format", "nii"], "--format nii does not match 'out.dcm'"),
         ("out.tiff", ["--format", "png"], "--format png does not match"),
     ],
 )

@@ -116,7 +116,7 @@ def test_tilewise_plan_prints_the_same_plan(tmp_path: Path, empty_models_dir: Pa
     expected = model.plan((100, 90, 80), InferenceParams(tile=48))
     assert plan["tile"] == list(expected.grid.used_tile_shape) and plan["tiles"] == expected.n_tiles
     assert main(["plan", str(tmp_path / "missing.nii"), "--model", "gaussian-3d"]) == 2
-    assert main(["plan", str(volume), "--model", "nope"]) == 1
+    assert main(["plan", str(volume), "--model", "nope"]) == 2  # a usage error, as in infer and batch
 
 
 def test_tilewise_plan_fits_a_memory_budget(tmp_path: Path) -> None:

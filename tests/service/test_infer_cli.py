@@ -64,7 +64,7 @@ def test_infer_options_formats_and_failures(anatomical_path: Path, tmp_path: Pat
     assert main(["infer", str(bad), str(out_dir / "x.nii.gz"), *base]) == 1
     assert main(["infer", str(anatomical_path), str(out_dir / "x.png"), *base]) == 1  # png for 3D
     assert main(["infer", str(anatomical_path), str(out_dir / "y.nii"), *base, "--tile", "0"]) == 1
-    assert main(["infer", str(anatomical_path), str(out_dir / "z.nii"), "--model", "nope"]) == 1
+    assert main(["infer", str(anatomical_path), str(out_dir / "z.nii"), "--model", "nope"]) == 2
     assert main(["infer", str(tmp_path / "missing.nii"), str(out_dir / "w.nii"), *base]) == 2
     assert not out_dir.exists() or not list(out_dir.iterdir())
 
