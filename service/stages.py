@@ -248,9 +248,13 @@ def prepare(
         if fmt in ("nii", "nii.gz") and header.kind == "nifti":
             nifti = {"header": regions.nifti_header, "version": header.info.get("nifti_version", 1),
                      "shape": header.info.get("shape")}  # fmt: skip
+        from service.provenance import provenance_of
+
+        provenance = provenance_of(spec, plan.header(), output_kind)  # DESIGN "third wave"
         to_uint8 = dtype == np.uint8 and not labels
         target = open_output(fmt, path, workdir, out_shape, int(spec.out_channels), dtype, labels=labels,
-                             nifti=nifti, dpi=header.info.get("dpi"), unit_to_uint8=to_uint8)  # fmt: skip
+                             nifti=nifti, dpi=header.info.get("dpi"), unit_to_uint8=to_uint8,
+                             provenance=provenance)  # fmt: skip
         prepared = Prepared(model, header, params, fmt, output_kind, plan, x, target, workdir, seam, started,
                             _tmp=tmp)  # fmt: skip
         if checkpoint is not None:

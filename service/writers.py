@@ -134,6 +134,7 @@ def open_output(
     nifti: dict[str, Any] | None = None,
     dpi: Any = None,
     unit_to_uint8: bool = False,
+    provenance: Any = None,
 ) -> OutputTarget:
     """Open the output of ``fmt`` at ``path`` for an engine output of ``spatial`` and ``channels``.
 
@@ -147,8 +148,10 @@ def open_output(
             ``version`` (1 or 2) and ``shape`` (the input's NIfTI shape).
         dpi: a TIFF's resolution (from the input), or ``None``.
         unit_to_uint8: probabilities written as ``round(255 * p)`` (``output_dtype=uint8``).
+        provenance: who made the output (:class:`service.provenance.Provenance`): NIfTI
+            ``descrip`` and extension, TIFF ImageDescription; ``None``: not said.
     """
-    target = _open(fmt, path, workdir, spatial, channels, dtype, labels, nifti, dpi)
+    target = _open(fmt, path, workdir, spatial, channels, dtype, labels, nifti, dpi, provenance)
     target._root._unit_to_uint8 = unit_to_uint8
     target.array._unit_to_uint8 = unit_to_uint8
     return target
@@ -156,13 +159,13 @@ def open_output(
 
 def _open(
     fmt: str, path: Path, workdir: Path, spatial: tuple[int, ...], channels: int, dtype: Any, labels: bool,
-    nifti: dict[str, Any] | None, dpi: Any,
+    nifti: dict[str, Any] | None, dpi: Any, provenance: Any = None,
 ) -> OutputTarget:  # fmt: skip
     dtype = np.dtype(dtype)
     spatial = tuple(int(n) for n in spatial)
     if fmt in ("nii", "nii.gz"):
         raw = path if fmt == "nii" else workdir / "output-raw.nii"
-        info = nifti or {}
+        info = {**(nifti or {}), "provenance": provenance}
         shape = _nifti_shape(info, spatial, channels, labels)
         offset, stored = _write_nifti_header(raw, info, shape, dtype)
         root = open_paged(raw, stored, shape, mode="r+", offset=offset, order="F")
@@ -183,7 +186,7 @@ def _open(
         raw = workdir / "output-raw.bin"
         shape = spatial if labels else (channels, *spatial)
         root = open_paged(raw, dtype, shape, mode="w+")
-        return OutputTarget(root, path, fmt, root, raw, {"dpi": dpi})
+        return OutputTarget(root, path, fmt, root, raw, {"dpi": dpi, "provenance": provenance})
     raise ValueError(f"format {fmt!r} is not written as a stream")
 
 
@@ -249,6 +252,13 @@ def _write_nifti_header(
     image.update_header()
     header.set_data_shape(shape)
     header["scl_slope"], header["scl_inter"] = 1.0, 0.0  # what nibabel's writer stores for unscaled data
+    if info.get("provenance") is not None:  # descrip and the JSON extension (service.provenance)
+        from service.codecs.nifti import stamp_provenance
+
+        stamp_provenance(header, info["provenance"])
+    if len(header.extensions):  # the voxels start after the header and its extensions
+        size = int(header["sizeof_hdr"]) + 4 + header.extensions.get_sizeondisk()
+        header.set_data_offset(max(size, int(header.get_data_offset())))
     with open(path, "wb") as fh:
         header.write_to(fh)
         offset = int(header.get_data_offset())
@@ -267,7 +277,7 @@ def _gzip(source: Path, target: Path) -> None:
                 dst.write(chunk)
 
 
-def _write_tiff(array: PagedMemmap, path: Path, *, dpi: Any = None) -> None:
+def _write_tiff(array: PagedMemmap, path: Path, *, dpi: Any = None, provenance: Any = None) -> None:
     """A tiled, zlib-compressed (Big)TIFF of ``array`` (``(H, W)`` or ``(C, H, W)``), tile by tile."""
     import tifffile
 
@@ -290,6 +300,8 @@ def _write_tiff(array: PagedMemmap, path: Path, *, dpi: Any = None) -> None:
     if dpi is not None:
         kwargs["resolution"] = tuple(dpi)
         kwargs["resolutionunit"] = "INCH"
+    if provenance is not None:  # in tifffile's JSON ImageDescription, as encode_tiff writes it
+        kwargs["metadata"] = {"tilewise": provenance.as_dict()}
     shape = (height, width) if channels == 1 else (channels, height, width)  # as encode_tiff
     bigtiff = array.nbytes >= BIGTIFF_BYTES
     tifffile.imwrite(path, tiles(), shape=shape, dtype=array.dtype, tile=(t, t), compression="zlib",

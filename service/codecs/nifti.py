@@ -35,7 +35,7 @@ from service.codecs.volume import DecodedVolume, Probe
 from service.errors import DecodeError, UnusableInputError
 from service.sniff import Sniffed
 
-__all__ = ["decode_nifti", "encode_nifti", "probe_nifti"]
+__all__ = ["decode_nifti", "encode_nifti", "probe_nifti", "stamp_provenance"]
 
 logger = logging.getLogger(__name__)
 
@@ -364,7 +364,7 @@ def _to_nifti_layout(volume: DecodedVolume, array: np.ndarray) -> np.ndarray:
     return out[:, :, None, :] if volume.spatial_dims == 2 else out
 
 
-def _stamp(header: Any, provenance: Any) -> None:
+def stamp_provenance(header: Any, provenance: Any) -> None:
     """``descrip`` and the provenance extension (code 6, replacing an earlier tilewise one)."""
     from service.provenance import NIFTI_EXTENSION_CODE
 
@@ -393,7 +393,7 @@ def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path, provenanc
         out = _channels_last(array, volume.spatial_dims)
         image = nib.Nifti1Image(out, np.eye(4))  # type: ignore[no-untyped-call]
         if provenance is not None:
-            _stamp(image.header, provenance)
+            stamp_provenance(image.header, provenance)
         nib.save(image, str(path))
         return
     out = _to_nifti_layout(volume, array)
@@ -404,6 +404,6 @@ def encode_nifti(volume: DecodedVolume, array: np.ndarray, path: Path, provenanc
     header["cal_min"] = 0.0
     header["cal_max"] = 0.0
     if provenance is not None:
-        _stamp(header, provenance)
+        stamp_provenance(header, provenance)
     image = _image_class(int(volume.info.get("nifti_version", 1)))(out, None, header=header)
     nib.save(image, str(path))

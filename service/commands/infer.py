@@ -129,8 +129,8 @@ def input_problem(path: Path) -> str | None:
     """Why ``path`` cannot be read as an input file (no such file, a folder, ...), or ``None``."""
     if not path.exists():
         return f"{path}: no such file" + (" (a dangling link)" if path.is_symlink() else "")
-    if path.is_dir():
-        return f"{path} is a folder, not a file"
+    if path.is_dir():  # a folder is a DICOM series (service.codecs.dicom_files)
+        return None if os.access(path, os.R_OK | os.X_OK) else f"{path}: permission denied"
     if not path.is_file():
         return f"{path} is not a regular file"
     if not os.access(path, os.R_OK):

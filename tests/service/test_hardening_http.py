@@ -171,7 +171,11 @@ def test_head_on_post_only_and_unknown_paths(app_client: InProcessClient) -> Non
 def test_openapi_states_the_closed_value_sets(app_client: InProcessClient) -> None:
     spec = app_client.get("/openapi.json").json()
     operation = spec["paths"]["/v1/models/{name}/infer"]["post"]
-    enums = {p["name"]: p["schema"].get("enum") for p in operation["parameters"] if p["in"] == "query"}
+    enums = {  # "" (blank: the model's default) is documented too
+        p["name"]: [v for v in p["schema"].get("enum") or [] if v != ""] or None
+        for p in operation["parameters"]
+        if p["in"] == "query"
+    }
     assert enums["format"] == ["nii.gz", "nii", "png", "tiff", "npy", "dicom-seg"]
     assert enums["tilt"] == ["refuse", "resample"]
     assert enums["seg_type"] == ["binary", "labelmap", "fractional"]

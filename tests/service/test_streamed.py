@@ -65,7 +65,10 @@ def _whole(model: Any, source: Path, stem: Path, params: Any) -> Path:
         if run.plan.output == "labels"
         else to_output_dtype(run.result, output_dtype(params, False))
     )
-    encode(volume, result, fmt, path)
+    from service.provenance import provenance_of
+
+    provenance = provenance_of(model.spec, run.plan.header(), str(run.plan.output))
+    encode(volume, result, fmt, path, provenance=provenance)
     return path
 
 
