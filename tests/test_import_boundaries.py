@@ -26,7 +26,7 @@ def _hits(modules: set[str], roots: tuple[str, ...]) -> list[str]:
 
 
 def test_tiling_imports_no_fastapi_models_or_service():
-    modules = _imported_after("tiling")
+    modules = _imported_after("tiling.engine")  # tiling's __init__ loads the engine on first use
     assert "tiling.engine" in modules  # sanity: the probe really imported the engine
     hits = _hits(modules, ("fastapi", "starlette", "uvicorn", "models", "service"))
     assert not hits, f"import tiling pulled in {hits}"
@@ -38,3 +38,9 @@ def test_batch_client_imports_no_torch_or_fastapi():
     modules = _imported_after("service.client")
     hits = _hits(modules, ("torch", "fastapi", "starlette", "uvicorn"))
     assert not hits, f"import service.client pulled in {hits}"
+
+
+def test_tiling_planning_needs_no_torch():
+    """``models.spec`` (and the batch client's light imports) use tiling's integer-only planning."""
+    modules = _imported_after("tiling")
+    assert "tiling.grid" in modules and not _hits(modules, ("torch",))

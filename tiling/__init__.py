@@ -9,7 +9,6 @@ True
 
 from __future__ import annotations
 
-from tiling.engine import tiled_inference
 from tiling.errors import (
     AccumulatorStateError,
     CoverageError,
@@ -30,8 +29,6 @@ from tiling.plan import (
     round_up,
 )
 from tiling.resume import Resume, ResumePoint, resume_point
-from tiling.seam import SeamStats
-from tiling.windows import pad_to_fit, sample_windows, sliding_windows
 
 __all__ = [
     "AccumulatorStateError",
@@ -63,3 +60,28 @@ __all__ = [
     "sliding_windows",
     "tiled_inference",
 ]
+
+#: Names whose modules import torch, loaded on first use (PEP 562) so that the integer-only
+#: planning (``TileGrid``, ``Placement``, ...) is usable without torch, e.g. by ``models.spec``.
+_LAZY = {
+    "tiled_inference": "tiling.engine",
+    "SeamStats": "tiling.seam",
+    "pad_to_fit": "tiling.windows",
+    "sample_windows": "tiling.windows",
+    "sliding_windows": "tiling.windows",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiling' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
