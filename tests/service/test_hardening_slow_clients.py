@@ -93,7 +93,7 @@ class SlowUpload(threading.Thread):
     def run(self) -> None:
         with socket.create_connection(self.target, timeout=30, source_address=(self.source, 0)) as sock:
             head = (
-                f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
+                f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 f"Content-Type: application/octet-stream\r\nContent-Length: {8 * 2**20}\r\n\r\n"
             )
             sock.sendall(head.encode())
@@ -198,7 +198,7 @@ def test_16_slow_clients_are_cut_as_the_slots_fill(server: Server) -> None:
 
 
 def test_headers_at_one_byte_per_second_are_cut(server: Server) -> None:
-    head = f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n".encode()
+    head = f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n".encode()
     with socket.create_connection(address(server), timeout=30) as sock:
         began, sent = time.monotonic(), 0
         sock.setblocking(False)

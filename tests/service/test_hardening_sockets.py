@@ -80,9 +80,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_long_query_and_huge_header_get_json_414_and_431(server: Server) -> None:
-    get = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+    get = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
     cases = [
-        (b"GET /v1/models?q=" + b"a" * 80_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),
+        (b"GET /v1/models?q=" + b"a" * 80_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 414, "uri_too_long"),
         (get + b"X-Big: " + b"b" * 2**20 + b"\r\n\r\n", 431, "headers_too_large"),
         # 40 headers of 1 KB, in one piece (h11 parses a complete head of any size)
         (get + (b"X-M: " + b"m" * 1000 + b"\r\n") * 40 + b"\r\n", 431, "headers_too_large"),
@@ -106,7 +106,7 @@ def test_stalled_uploads_hold_no_inference_slot(server: Server) -> None:
     def slow_client(i: int) -> None:
         started = time.monotonic()
         with socket.create_connection(host_port(server), timeout=30) as sock:
-            head = f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {2**20}\r\n\r\n"
+            head = f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {2**20}\r\n\r\n"
             sock.sendall(head.encode())
             sock.setblocking(False)
             while time.monotonic() - started < 20:  # bounded: the server must answer long before
@@ -149,7 +149,7 @@ def test_a_client_that_disconnects_stops_its_run(server: Server) -> None:
     before = tiles_total(server)
     with socket.create_connection(host_port(server), timeout=30) as sock:
         sock.sendall(
-            f"POST /v1/models/{MODEL}/infer?{query} HTTP/1.1\r\nHost: x\r\n"
+            f"POST /v1/models/{MODEL}/infer?{query} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
@@ -192,7 +192,7 @@ def test_temporary_folders_of_dead_processes_are_removed(tmp_path: Path) -> None
         assert victim_folder.name.startswith(f"{victim.pid}-")
         # Killed mid-upload: its request folder stays behind.
         with socket.create_connection(host_port(victim), timeout=30) as sock:
-            head = f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+            head = f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n"
             sock.sendall(head.encode())
             sock.sendall(b"\0" * 1000)
             deadline = time.monotonic() + 20
