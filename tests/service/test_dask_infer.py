@@ -179,7 +179,7 @@ def test_a_large_job_goes_to_the_cluster_and_a_small_one_stays(
     assert large_record["cluster"] == cluster.scheduler_address
     assert large_status["stage"] == "dask: reading the output back"
     assert large_status["tiles_done"] == large_status["tiles_total"] > 0
-    assert "cluster" not in results["small"][1] and results["small"][0]["stage"] is None
+    assert results["small"][1].get("cluster") is None and results["small"][0]["stage"] is None
     sent = [r for r in caplog.records if "tiled passes on the Dask cluster" in r.getMessage()]
     assert len(sent) == 1 and large_record["id"] in sent[0].getMessage()
     assert tasks > before

@@ -106,7 +106,10 @@ def test_stalled_uploads_hold_no_inference_slot(server: Server) -> None:
     def slow_client(i: int) -> None:
         started = time.monotonic()
         with socket.create_connection(host_port(server), timeout=30) as sock:
-            head = f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {2**20}\r\n\r\n"
+            head = (
+                f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: localhost\r\n"
+                f"Content-Length: {2**20}\r\n\r\n"
+            )
             sock.sendall(head.encode())
             sock.setblocking(False)
             while time.monotonic() - started < 20:  # bounded: the server must answer long before
@@ -192,7 +195,9 @@ def test_temporary_folders_of_dead_processes_are_removed(tmp_path: Path) -> None
         assert victim_folder.name.startswith(f"{victim.pid}-")
         # Killed mid-upload: its request folder stays behind.
         with socket.create_connection(host_port(victim), timeout=30) as sock:
-            head = f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000\r\n\r\n"
+            head = (
+                f"POST /v1/models/{MODEL}/infer HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100000\r\n\r\n"
+            )
             sock.sendall(head.encode())
             sock.sendall(b"\0" * 1000)
             deadline = time.monotonic() + 20

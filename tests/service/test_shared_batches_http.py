@@ -43,8 +43,9 @@ def _histogram(text: str, name: str) -> tuple[float, float, float]:
 def test_eight_concurrent_requests_share_forward_passes(tmp_path: Path, make_settings: Any) -> None:
     bodies = _bodies()
     query = "/v1/models/gaussian-2d/infer?tile=48&batch_size=8&format=npy"
+    # one client sends all 8: its share of the queue and of the upload slots is all of them
     shared = make_settings(tmp_dir=tmp_path, device="cpu", warmup=False, shared_requests=8, queue_size=8,
-                           batch_wait_ms=200)  # fmt: skip
+                           batch_wait_ms=200, max_client_share=1.0, max_uploads_per_client=8)  # fmt: skip
     answers: dict[int, Any] = {}
     with TestClient(create_app(shared)) as client:
         start = threading.Barrier(8)
@@ -59,7 +60,9 @@ def test_eight_concurrent_requests_share_forward_passes(tmp_path: Path, make_set
         for t in threads:
             t.join(120)
         text = client.get("/metrics").text
-    assert sorted(answers) == list(range(8)) and all(a.status_code == 200 for a in answers.values())
+    assert sorted(answers) == list(range(8)) and all(a.status_code == 200 for a in answers.values()), [
+        (a.status_code, a.text[:200]) for a in answers.values()
+    ]
     passes, tiles, multi = _histogram(text, "tilewise_batch_requests")
     assert multi >= 1, text  # forward passes that held tiles of more than one request
     assert _histogram(text, "tilewise_batch_fill")[1] == 8 * 4  # every tile went through a shared pass
