@@ -146,7 +146,7 @@ def _monai_pipeline(bundle: Path, path: Path) -> np.ndarray:
     parser.read_meta(str(bundle / "configs" / "metadata.json"))
     parser.read_config(str(bundle / "configs" / "inference.json"))
     parser["bundle_root"] = str(bundle)
-    network = parser.get_parsed_content("network")
+    network = parser.get_parsed_content("network_def")  # the kit's bundles carry no `$` code
     network.load_state_dict(torch.load(bundle / "models" / "model.pt", weights_only=True))
     data = parser.get_parsed_content("preprocessing")({"image": str(path)})
     with torch.no_grad():
