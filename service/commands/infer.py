@@ -130,7 +130,11 @@ def input_problem(path: Path) -> str | None:
     if not path.exists():
         return f"{path}: no such file" + (" (a dangling link)" if path.is_symlink() else "")
     if path.is_dir():  # a folder is a DICOM series (service.codecs.dicom_files)
-        return None if os.access(path, os.R_OK | os.X_OK) else f"{path}: permission denied"
+        if not os.access(path, os.R_OK | os.X_OK):
+            return f"{path}: permission denied"
+        if not any(p.is_file() for p in path.rglob("*")):
+            return f"{path} is a folder, not a file (nor a DICOM series folder: it holds no file)"
+        return None
     if not path.is_file():
         return f"{path} is not a regular file"
     if not os.access(path, os.R_OK):
