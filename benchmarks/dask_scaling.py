@@ -194,7 +194,7 @@ def run_pass(
 
 def _tilewise_plan(shape: tuple[int, ...], args: argparse.Namespace) -> tuple[Any, Any]:
     from models import ModelRepository
-    from models.params import parse_params
+    from models.planning.params import parse_params
 
     model = ModelRepository("/nonexistent", device="cpu").get(args.model)
     halo = max(model.receptive_field())

@@ -82,7 +82,7 @@ def preprocessed(raw: Path, models_dir: Path, dest: Path) -> Path:
     """``raw`` through text-det-2d's preprocessing (computed each run: the spec decides)."""
     import numpy as np
 
-    from models.preprocess import preprocess
+    from models.transforms.preprocess import preprocess
     from models.repository import ModelRepository
 
     spec = ModelRepository(models_dir, device="cpu").spec(TEXT_DET)

@@ -26,7 +26,7 @@ def shape_of(path: Path) -> str:
 
 def text_det_missing(models_dir: Path) -> str | None:
     try:
-        from models.textdet import TEXT_DET_FILE
+        from models.zoo.textdet import TEXT_DET_FILE
     except ImportError as exc:
         return f"models package without text-det-2d support ({exc})"
     if not (models_dir / TEXT_DET_FILE).is_file():

@@ -72,7 +72,7 @@ def build_predictor(name: str, job: dict[str, Any]) -> tuple[Counted, dict[str, 
         net = build_unet(name.split("-")[1])
         return Counted(net, spatial_dims=3, in_channels=1, alignment=UNET_ALIGNMENT), {"out_channels": 2}
     if name == "log-3d":
-        from models.analytic import AnalyticNet
+        from models.zoo.analytic import AnalyticNet
 
         net = AnalyticNet("log", 3).eval()
         return Counted(net, spatial_dims=3, in_channels=1, alignment=1), {"out_channels": 1}

@@ -8,7 +8,7 @@ Two runs of the same ``--requests`` requests (2D images of ``--tiles`` tiles eac
 ``--plan-batch`` tiles per forward pass):
 
 - one at a time: each request alone, its own forward passes;
-- shared: all requests at once, every forward pass filled by :class:`models.batching.SharedBatcher`
+- shared: all requests at once, every forward pass filled by :class:`models.execution.batching.SharedBatcher`
   (``--batch`` tiles, round robin by request, ``--wait-ms`` to fill).
 
 Reported: forward calls, wall time, device busy fraction (time inside forward passes / wall),
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.batching import SharedBatcher
+from models.execution.batching import SharedBatcher
 from tiling import TileGrid, tiled_inference
 
 

@@ -123,11 +123,11 @@ class NiftiSource:
 
 
 def worker_calibrate(job: dict[str, Any]) -> dict[str, Any]:
-    """Calibrated halo through ``models.receptive.calibrate_halo`` on the real volume."""
+    """Calibrated halo through ``models.measure.receptive.calibrate_halo`` on the real volume."""
     import torch
 
     torch.set_num_threads(int(job["threads"]))
-    from models.receptive import calibrate_halo
+    from models.measure.receptive import calibrate_halo
 
     predictor, _ = build_predictor(job["model"], job)
     data = load_data(job)
@@ -230,7 +230,7 @@ def worker_inprocess(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(int(job["threads"]))
-    from models.params import parse_params
+    from models.planning.params import parse_params
     from models.repository import ModelRepository
     from service.pipeline import run_file
 

@@ -1,6 +1,6 @@
 """tilewise models: specs, backends (eager, TorchScript, ONNX Runtime), built-ins, receptive fields.
 
-Names are imported on first use (PEP 562), so the light modules (``models.params``,
+Names are imported on first use (PEP 562), so the light modules (``models.planning.params``,
 ``models.errors``, ``models.spec``) load without torch: the batch client validates its options with
 :class:`InferenceParams` and never imports torch.
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from models.backends import BasePredictor, Predictor, load_predictor, resolve_device
-    from models.calibration import HaloCalibrator
+    from models.measure.calibration import HaloCalibrator
     from models.errors import (
         BackendError,
         BackendUnavailableError,
@@ -37,9 +37,9 @@ if TYPE_CHECKING:
         WeightsError,
     )
     from models.model import Model
-    from models.params import InferenceParams, parse_params
-    from models.plan import RunPlan
-    from models.receptive import HaloCalibration, ReceptiveField, calibrate_halo, probe_receptive_field
+    from models.planning.params import InferenceParams, parse_params
+    from models.planning.plan import RunPlan
+    from models.measure.receptive import HaloCalibration, ReceptiveField, calibrate_halo, probe_receptive_field
     from models.repository import DEFAULT_MODELS_DIR, ModelRepository
     from models.spec import ModelSpec, PreprocessStep, load_spec, spec_from_mapping
 
@@ -53,11 +53,11 @@ _SOURCES = {
     "DeviceOutOfMemoryError": "models.errors",
     "ExportError": "models.errors",
     "ImportRefusedError": "models.errors",
-    "HaloCalibration": "models.receptive",
-    "HaloCalibrator": "models.calibration",
+    "HaloCalibration": "models.measure.receptive",
+    "HaloCalibrator": "models.measure.calibration",
     "IncompatibleWeightsError": "models.errors",
     "InferenceError": "models.errors",
-    "InferenceParams": "models.params",
+    "InferenceParams": "models.planning.params",
     "InputError": "models.errors",
     "Model": "models.model",
     "ModelError": "models.errors",
@@ -67,17 +67,17 @@ _SOURCES = {
     "ParamError": "models.errors",
     "Predictor": "models.backends",
     "PreprocessStep": "models.spec",
-    "ReceptiveField": "models.receptive",
+    "ReceptiveField": "models.measure.receptive",
     "RegistryError": "models.errors",
-    "RunPlan": "models.plan",
+    "RunPlan": "models.planning.plan",
     "SpecError": "models.errors",
     "UnknownModelError": "models.errors",
     "WeightsError": "models.errors",
-    "calibrate_halo": "models.receptive",
+    "calibrate_halo": "models.measure.receptive",
     "load_predictor": "models.backends",
     "load_spec": "models.spec",
-    "parse_params": "models.params",
-    "probe_receptive_field": "models.receptive",
+    "parse_params": "models.planning.params",
+    "probe_receptive_field": "models.measure.receptive",
     "resolve_device": "models.backends",
     "spec_from_mapping": "models.spec",
 }

@@ -2,8 +2,8 @@
 
 ``Model.run(data, params)`` is ``preprocess`` + ``plan`` + ``execute``; the service calls the three
 steps itself so that the one :class:`~models.RunPlan` also feeds its metrics and response headers.
-The plan's tile and batch size are sized by :mod:`models.planner` from the network's
-:class:`~models.footprint.Footprint` (measured once, at warm-up); a run that runs out of device
+The plan's tile and batch size are sized by :mod:`models.planning.planner` from the network's
+:class:`~models.measure.footprint.Footprint` (measured once, at warm-up); a run that runs out of device
 memory halves the batch, then the tile, and runs again (:meth:`Model.execute`).
 """
 
@@ -19,18 +19,18 @@ import numpy as np
 import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
-from models.calibration import HaloCalibrator
+from models.measure.calibration import HaloCalibrator
 from models.errors import InputError, ParamError
-from models.execute import execute_plan
-from models.footprint import Footprint, footprint_of
-from models.measured import Measurements
-from models.params import Blend, InferenceParams, OutputKind
-from models.plan import RunPlan
-from models.planner import default_memory_budget, given_halo_rule, size_plan
-from models.preprocess import preprocess
-from models.receptive import HaloCalibration
-from models.seams import SeamPolicy
-from models.sizing import WORK_TARGET
+from models.execution.execute import execute_plan
+from models.measure.footprint import Footprint, footprint_of
+from models.measure.measured import Measurements
+from models.planning.params import Blend, InferenceParams, OutputKind
+from models.planning.plan import RunPlan
+from models.planning.planner import default_memory_budget, given_halo_rule, size_plan
+from models.transforms.preprocess import preprocess
+from models.measure.receptive import HaloCalibration
+from models.measure.seams import SeamPolicy
+from models.planning.sizing import WORK_TARGET
 from models.spec import ModelSpec
 from tiling import Resume, SeamStats
 from tiling.geometry import as_ints
@@ -77,7 +77,7 @@ class Model:
         self.predictor = predictor
         self.calibrator = HaloCalibrator(spec, predictor)
         self.context = predictor if isinstance(predictor, PoolingContext) else None
-        self.run_lock = threading.Lock()  # global pooling: one run at a time (models.execute)
+        self.run_lock = threading.Lock()  # global pooling: one run at a time (models.execution.execute)
         self.seams = SeamPolicy(spec, predictor, self.calibrator)
         self._footprint_lock = threading.Lock()
         self._footprint: Footprint | None = None
@@ -108,7 +108,7 @@ class Model:
 
     @property
     def known_footprint(self) -> Footprint | None:
-        """The network's measured :class:`~models.footprint.Footprint`, or ``None`` before
+        """The network's measured :class:`~models.measure.footprint.Footprint`, or ``None`` before
         :meth:`footprint` ran."""
         with self._footprint_lock:
             return self._footprint
@@ -118,7 +118,7 @@ class Model:
         synthetic tiles: the spec's default tile, at most 128^3, and half of it, at batch 1 and 2+).
 
         Measure it at warm-up, before requests run: the memory measured is the process's own (see
-        :mod:`models.footprint`).
+        :mod:`models.measure.footprint`).
         """
         with self._footprint_lock:
             if self._footprint is None:
@@ -132,7 +132,7 @@ class Model:
         return Measurements(probe, self.seams.probe, self.known_footprint, halos)
 
     def restore_measurements(self, measured: Measurements) -> None:
-        """Take measurements stored by an earlier process (:class:`~models.measured.MeasurementStore`):
+        """Take measurements stored by an earlier process (:class:`~models.measure.measured.MeasurementStore`):
         nothing is measured again that they hold."""
         self.calibrator.restore(measured.receptive_field, measured.halos)
         self.seams.restore(measured.tile_dependence)
@@ -148,7 +148,7 @@ class Model:
         return self.calibrator.calibrate(tile, tolerance, sample)
 
     def preprocess(self, data: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        """The spec's preprocessing of a whole ``(C, *spatial)`` image (see :func:`models.preprocess`)."""
+        """The spec's preprocessing of a whole ``(C, *spatial)`` image (see :func:`models.transforms.preprocess`)."""
         return preprocess(data, self.spec)
 
     def plan(
@@ -166,7 +166,7 @@ class Model:
     ) -> RunPlan:
         """Resolve ``params`` against the spec's defaults and plan the tile grid, once per request.
 
-        Tile and batch size are sized by :func:`models.planner.size_plan`: a tile whose halo leaves
+        Tile and batch size are sized by :func:`models.planning.planner.size_plan`: a tile whose halo leaves
         the network more than 2.4 voxels per input voxel grows (within the memory budget), and
         ``memory_budget`` picks the tile and batch the request does not give.
 
@@ -185,7 +185,7 @@ class Model:
                 receptive-field radius, else 0.
             input_bytes, copies_input: the decoded input held beside the run, and whether
                 preprocessing copies it (what the budget counts besides the plan;
-                :func:`models.cost.peak_bytes`); ``output_on_disk``: the output is written to a
+                :func:`models.planning.cost.peak_bytes`); ``output_on_disk``: the output is written to a
                 file as it finishes (a streamed request).
 
         Raises:
@@ -236,7 +236,7 @@ class Model:
             p.batch_size,
             p.output,
             p.tta,
-            fixed_tile_shape=auto or dependent,  # why: models.planner's docstring
+            fixed_tile_shape=auto or dependent,  # why: models.planning.planner's docstring
             tile_dependent=dependent,
             tile_given="tile" in given and params is not None and params.tile is not None,
             batch_given="batch_size" in given and params is not None and params.batch_size is not None,

@@ -22,7 +22,7 @@ __all__ = ["SPEC_SUFFIXES", "check_model_name", "declared_name", "model_names"]
 _BUILTIN_DIR = Path(__file__).parent / "builtin"
 #: File suffixes of model specs in a models folder.
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
-#: :data:`models.textdet.TEXT_DET_NAME` and ``TEXT_DET_FILE`` (that module loads torch).
+#: :data:`models.zoo.textdet.TEXT_DET_NAME` and ``TEXT_DET_FILE`` (that module loads torch).
 _TEXT_DET = ("text-det-2d", "ch_PP-OCRv4_det_infer.onnx")
 _DEFAULT_USER_DIR = Path("~/.cache/tilewise/models")
 

@@ -1,7 +1,7 @@
 """The model registry: built-ins plus one spec file per model in a folder; models load lazily.
 
 One bad model never breaks the others: a spec file that fails to validate, a model that fails to
-load, or one whose warm-up forward pass contradicts its spec (:mod:`models.warmup`) is listed as
+load, or one whose warm-up forward pass contradicts its spec (:mod:`models.measure.warmup`) is listed as
 *unavailable* with a one-line reason naming the file and the field; its requests raise
 :class:`~models.errors.ModelUnavailableError` (HTTP 503 ``model_unavailable``). ``strict=True``
 (``TILEWISE_STRICT_MODELS``) makes any such failure raise instead.
@@ -20,12 +20,12 @@ from typing import Any
 
 from models.backends import BasePredictor, load_predictor
 from models.errors import ModelError, ModelUnavailableError, RegistryError, UnknownModelError
-from models.measured import MeasurementStore
+from models.measure.measured import MeasurementStore
 from models.model import Model
 from models.names import SPEC_SUFFIXES, declared_name
 from models.spec import ModelSpec, load_spec
-from models.textdet import TEXT_DET_FILE, TEXT_DET_NAME, text_det_spec
-from models.warmup import check_forward, reason
+from models.zoo.textdet import TEXT_DET_FILE, TEXT_DET_NAME, text_det_spec
+from models.measure.warmup import check_forward, reason
 
 __all__ = ["DEFAULT_MODELS_DIR", "ModelRepository"]
 
@@ -53,8 +53,8 @@ class ModelRepository:
             ``TILEWISE_USER_MODELS_DIR``, else :data:`DEFAULT_MODELS_DIR`): when ``models_dir`` is
             another folder, its models are added too (``models_dir`` wins a name); ``False``: not.
         measurements_dir: where warm-up measurements of built-in models (and of a read-only
-            ``models_dir``) are kept (:mod:`models.measured`; default ``TILEWISE_MEASUREMENTS_DIR``,
-            else :data:`~models.measured.DEFAULT_MEASUREMENTS_DIR`); ``False``: none are read or kept.
+            ``models_dir``) are kept (:mod:`models.measure.measured`; default ``TILEWISE_MEASUREMENTS_DIR``,
+            else :data:`~models.measure.measured.DEFAULT_MEASUREMENTS_DIR`); ``False``: none are read or kept.
 
     Raises:
         SpecError, RegistryError: with ``strict``, an invalid spec file or a name defined twice in
@@ -250,7 +250,7 @@ class ModelRepository:
             return sorted(n for n in self._specs if n not in gone and n not in self._warm)
 
     def store_measurements(self, name: str) -> None:
-        """Keep what the loaded model ``name`` measured (:mod:`models.measured`); no-op when it is
+        """Keep what the loaded model ``name`` measured (:mod:`models.measure.measured`); no-op when it is
         not loaded or the repository keeps no measurements."""
         with self._lock:
             model = self._models.get(name)
@@ -267,7 +267,7 @@ class ModelRepository:
         """Load ``names`` (default all available) and check one small forward pass each.
 
         The pass checks the spec's ``out_channels``, ``alignment`` and ``scale``
-        (:func:`models.warmup.check_forward`); a model that fails to load or to pass is listed as
+        (:func:`models.measure.warmup.check_forward`); a model that fails to load or to pass is listed as
         unavailable (with ``strict``, the error is raised). With ``probe`` (default), a model whose
         spec does not say ``tile_dependent`` is probed for it now, once
         (:meth:`Model.is_tile_dependent`: two or three passes over one default tile), and a local
@@ -279,7 +279,7 @@ class ModelRepository:
         budget and dry runs) is measured too, before any request runs beside it.
 
         Measurements stored by an earlier warm-up (same spec, weights, device, tilewise version;
-        :mod:`models.measured`) are read instead of measured again, and new ones are stored: a
+        :mod:`models.measure.measured`) are read instead of measured again, and new ones are stored: a
         restart is ready in seconds. ``progress(name, i, n)`` is called before each model
         (``i`` from 1; the log says "warming up NAME (i/n)" too).
         """
@@ -325,7 +325,7 @@ def _load(spec: ModelSpec, device: str | None, providers: Sequence[str] | None) 
     predictor = load_predictor(spec, device, providers=providers)
     if spec.global_pooling and spec.backend == "onnx":
         from models.backends.ort import OrtPredictor
-        from models.global_pool import GlobalPoolingPredictor
+        from models.transforms.global_pool import GlobalPoolingPredictor
 
         assert isinstance(predictor, OrtPredictor)
         return GlobalPoolingPredictor.wrap(predictor, providers=providers)

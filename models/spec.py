@@ -9,7 +9,7 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     out_channels: 2
     file: unet3d.safetensors      # relative to the spec's folder (eager / torchscript / onnx)
     sha256: 3b4c...               # verified before loading when given
-    architecture: unet            # eager: a name of models.nets, or "package.module:callable"
+    architecture: unet            # eager: a name of models.zoo.nets, or "package.module:callable"
     params: {features: 8}         # keyword arguments of the architecture (or analytic parameters)
     alignment: 4                  # total stride of the network (tile sizes are multiples of it),
                                   # or one per axis: [2, 8, 8] (nnU-Net's anisotropic pooling)
@@ -31,7 +31,7 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     output: {activation: softmax, kind: labels, dtype: float32, tta_average: probabilities}
     defaults: {tile: [96, 96, 96], halo: auto, overlap: 0, blend: constant, batch_size: 2}
 
-``defaults`` is :class:`~models.params.InferenceParams` (the same schema as the HTTP query and the
+``defaults`` is :class:`~models.planning.params.InferenceParams` (the same schema as the HTTP query and the
 CLI options); unset ones are filled in (tile 256 per axis in 1-D/2-D, 96 in 3-D; halo ``auto``;
 overlap 0; blend constant; batch size 1; output ``output.kind``) and per-axis values broadcast, so
 ``spec.defaults`` is complete but for ``format`` (``None``: it follows the input).
@@ -71,8 +71,8 @@ from pydantic import (
 )
 
 from models.errors import SpecError
-from models.params import REQUEST_ONLY, Blend, InferenceParams, OutputKind, StrEnum, _per_axis
-from models.steps import STEP_PARAMS, FrameSpec, PreprocessStep, check_params
+from models.planning.params import REQUEST_ONLY, Blend, InferenceParams, OutputKind, StrEnum, _per_axis
+from models.transforms.steps import STEP_PARAMS, FrameSpec, PreprocessStep, check_params
 from tiling import Placement
 
 __all__ = [

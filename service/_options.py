@@ -1,8 +1,8 @@
 """Command-line glue shared by the ``tilewise`` commands, the server settings and the batch client.
 
-Light (argparse, pydantic, :mod:`models.params`): the batch client and the command parsers import
+Light (argparse, pydantic, :mod:`models.planning.params`): the batch client and the command parsers import
 it without torch or FastAPI. The inference options are generated from
-:class:`~models.params.InferenceParams`, so a new parameter appears on every command by itself.
+:class:`~models.planning.params.InferenceParams`, so a new parameter appears on every command by itself.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from models.params import REQUEST_ONLY, InferenceParams, OutputFormat
+from models.planning.params import REQUEST_ONLY, InferenceParams, OutputFormat
 
 __all__ = [
     "FORMAT_SUFFIXES",
@@ -38,7 +38,7 @@ N = TypeVar("N", int, float)
 def add_param_options(parser: Any, *, choices: bool = True) -> None:
     """Add one ``--name`` option per :class:`InferenceParams` field (``batch_size`` -> ``--batch-size``).
 
-    Values stay text; :func:`models.params.parse_params` validates them (``param_values(args)``).
+    Values stay text; :func:`models.planning.params.parse_params` validates them (``param_values(args)``).
     With ``choices``, closed sets are argparse choices (a wrong value exits with status 2).
     """
     for name, field in InferenceParams.model_fields.items():

@@ -68,7 +68,7 @@ def _load_repository(settings: Settings, built: Callable[[Any], object] | None =
     A model that fails (spec, weights, warm-up check) is listed as unavailable with its reason;
     with ``TILEWISE_STRICT_MODELS=true`` the failure stops the start-up instead. ``built`` is
     given the repository before the warm-up (``/readyz`` then names the models still warming).
-    Measurements stored by an earlier start are reused (:mod:`models.measured`).
+    Measurements stored by an earlier start are reused (:mod:`models.measure.measured`).
     """
     from models import ModelRepository
 

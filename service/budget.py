@@ -10,9 +10,9 @@ grid (after resampling to the spec's spacing), never the header's:
   voxel (a tile per 64 input voxels at most, the first 64 tiles free: 29,791 tiles of 4^3 on 64^3
   is 8.8 voxels per tile): 422 ``over_budget`` (:class:`OverBudgetError`): the parameters make the
   request unreasonable; a larger tile, a smaller halo or overlap, or a smaller batch fixes it;
-- predicted network time (``eta_s``, :func:`models.cost.network_seconds`): 422 ``over_budget``,
+- predicted network time (``eta_s``, :func:`models.planning.cost.network_seconds`): 422 ``over_budget``,
   naming the figure; a run that still passes twice the limit is stopped (:mod:`service.deadline`);
-- predicted memory (:func:`models.cost.peak_bytes`, from the network's footprint measured at
+- predicted memory (:func:`models.planning.cost.peak_bytes`, from the network's footprint measured at
   warm-up, plus the decoded input): 413 ``over_budget``
   (:class:`MemoryBudgetError`): the image is too large for this server with these parameters.
 
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from models.params import InferenceParams
+from models.planning.params import InferenceParams
 from service.errors import MemoryBudgetError, OverBudgetError
 
 __all__ = ["FREE_TILES", "Budget"]
@@ -109,9 +109,9 @@ class Budget:
             plan: the plan of the request.
             in_channels, out_channels: the model's channels.
             input_bytes: the decoded input's bytes, held beside the plan's own memory.
-            footprint: the network's measured :class:`~models.footprint.Footprint` (default: an
+            footprint: the network's measured :class:`~models.measure.footprint.Footprint` (default: an
                 estimate).
-            copies_input: whether preprocessing copies the input (:func:`models.cost.peak_bytes`).
+            copies_input: whether preprocessing copies the input (:func:`models.planning.cost.peak_bytes`).
             output_on_disk: the output is written to disk as it finishes (a streamed request).
 
         Returns:
@@ -122,7 +122,7 @@ class Budget:
                 the limit (422).
             MemoryBudgetError: predicted memory over the limit (413).
         """
-        from models.cost import peak_bytes
+        from models.planning.cost import peak_bytes
 
         self._check_batch(plan.batch_size)
         shape = "x".join(str(n) for n in plan.spatial_shape)
@@ -173,7 +173,7 @@ class Budget:
 
         Args:
             plan: the plan (a :class:`~models.RunPlan`).
-            footprint: the network's :class:`~models.footprint.Footprint` (default: an estimate).
+            footprint: the network's :class:`~models.measure.footprint.Footprint` (default: an estimate).
             what: the plan in words, for the message.
 
         Returns:
@@ -182,8 +182,8 @@ class Budget:
         Raises:
             OverBudgetError: naming ``eta_s`` and ``max_request_seconds`` (422).
         """
-        from models.cost import network_seconds
-        from models.footprint import Footprint
+        from models.planning.cost import network_seconds
+        from models.measure.footprint import Footprint
 
         fp = footprint or Footprint.estimate(1)
         eta = network_seconds(plan, fp)

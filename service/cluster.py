@@ -46,7 +46,7 @@ from service.errors import BadParameterError, ClusterUnavailableError
 
 if TYPE_CHECKING:
     from models.model import Model
-    from models.plan import RunPlan
+    from models.planning.plan import RunPlan
 
 __all__ = ["LOCAL_WORKERS", "ClusterRoute", "DaskPass", "WorkerModel", "dask_client", "default_chunk"]
 

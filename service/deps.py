@@ -2,7 +2,7 @@
 
 The lifespan (:mod:`service.app`) puts the settings, metrics, model repository and executor on
 ``app.state``; handlers declare ``settings: SettingsDep`` and so on instead of reaching into the
-request. :data:`ParamsDep` validates the query into :class:`~models.params.InferenceParams`.
+request. :data:`ParamsDep` validates the query into :class:`~models.planning.params.InferenceParams`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ answer the same object, from the file's header alone (nothing is decoded)::
      "tta": "none", "tile_dependent": false, ...}
 
 ``tile`` is the tile fed to the network; ``peak_bytes`` the request's predicted peak memory (the
-decoded input included; :func:`models.cost.peak_bytes` from the footprint measured at warm-up);
+decoded input included; :func:`models.planning.cost.peak_bytes` from the footprint measured at warm-up);
 ``eta_s`` the predicted network time (the throughput measured at warm-up); ``tiles`` counts every
 ``tta`` pass (``passes``: 1, or 2**axes with ``tta=mirror``). Beyond the design's keys:
 ``tile_source`` and ``halo_source`` (where they came from), ``memory_budget``, ``footprint`` (the
@@ -46,7 +46,7 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
             implausible spacing before the network's footprint is measured).
         ParamError, GridError: parameters that cannot tile this image.
     """
-    from models.cost import network_seconds, peak_bytes
+    from models.planning.cost import network_seconds, peak_bytes
 
     spec = model.spec
     streams = streamed_check(model, source, params)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from models.cost import STREAMED_OUTPUT_BYTES
+from models.planning.cost import STREAMED_OUTPUT_BYTES
 
 __all__ = ["DROP_BYTES", "PagedMemmap", "open_paged", "paged", "unit_to_uint8"]
 

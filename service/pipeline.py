@@ -7,7 +7,7 @@ The server (in its executor thread, for a request or a job) and ``tilewise infer
 carries it to the metrics (``tilewise_tiles_total``) and the response (``X-Tilewise-Plan``, and
 ``X-Tilewise-Seam`` when the model reports its seam). Nothing plans again after a run.
 
-Geometry (:mod:`models.mapping`): a NIfTI is reoriented to the spec's ``orientation`` and resampled
+Geometry (:mod:`models.geometry.mapping`): a NIfTI is reoriented to the spec's ``orientation`` and resampled
 to its ``spacing`` (or its ``frame``) before preprocessing, and the output comes back on the input's
 exact grid, header and affine (labels as the argmax of probabilities resampled back, slab by slab).
 ``spacing=native`` skips the resampling. 2D images (PNG, JPEG, TIFF) carry no affine and no pixel
@@ -49,7 +49,7 @@ from service.stages import RunOptions
 
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
-    from models.mapping import MappedRun
+    from models.geometry.mapping import MappedRun
     from models.model import TiledPass
     from service.budget import Budget
     from service.stages import Prepared
@@ -199,12 +199,12 @@ def run_volume(
     (a Dask cluster, :class:`service.cluster.DaskPass`); it takes no ``checkpoint``.
 
     Returns:
-        The :class:`~models.mapping.MappedRun`: its ``result`` is uint8 ``(*spatial)`` labels or
+        The :class:`~models.geometry.mapping.MappedRun`: its ``result`` is uint8 ``(*spatial)`` labels or
         float32 ``(C_out, *spatial)`` values with ``spatial == volume.spatial_shape``; its
         ``plan`` the plan that ran (on the model grid), its ``seam`` the measured seam or ``None``.
     """
-    from models.mapping import run_mapped
-    from models.preprocess import label_dtype
+    from models.geometry.mapping import run_mapped
+    from models.transforms.preprocess import label_dtype
 
     spec = model.spec
     data, dropped = fit_to_model(volume, spec)
@@ -247,7 +247,7 @@ def _output_layout(spec: Any, plan: RunPlan) -> tuple[tuple[int, ...], np.dtype[
     """Shape and dtype of :meth:`models.Model.execute`'s result for ``plan``."""
     spatial = tuple(plan.grid.out_shape)
     if plan.output == "labels":
-        from models.preprocess import label_dtype
+        from models.transforms.preprocess import label_dtype
 
         return spatial, label_dtype(int(spec.out_channels))
     dtype = np.float16 if spec.output_dtype == "float16" else np.float32
@@ -320,10 +320,10 @@ def run_file(
         from service.writers import output_dtype, to_output_dtype
 
         array = to_output_dtype(array, output_dtype(params, False))
-    from models.preprocess import count_nonfinite
+    from models.transforms.preprocess import count_nonfinite
 
     bad = count_nonfinite(volume.data)
-    if bad:  # replaced by 0 after preprocessing (models.preprocess)
+    if bad:  # replaced by 0 after preprocessing (models.transforms.preprocess)
         nonfinite = f"{bad} non-finite input voxel(s) (NaN or inf) were replaced by 0 after preprocessing"
         plan = dataclasses.replace(
             plan, warning=nonfinite if not plan.warning else f"{plan.warning}; {nonfinite}"

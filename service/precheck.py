@@ -65,7 +65,7 @@ class Limits:
             (413): a compression bomb is refused before it is inflated.
         budget: batch size, tiles, work and memory of the plan (:mod:`service.budget`).
         memory_budget: bytes the plan should fit (``TILEWISE_MEMORY_BUDGET``): picks the tile and
-            batch size the request does not give (:mod:`models.planner`).
+            batch size the request does not give (:mod:`models.planning.planner`).
     """
 
     max_voxels: int | None = None
@@ -157,7 +157,7 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
         OverBudgetError, MemoryBudgetError: the plan over the budget (422, 413).
         ParamError, GridError: parameters that cannot tile this image (400).
     """
-    from models.footprint import Footprint
+    from models.measure.footprint import Footprint
 
     spec = model.spec
     streams = streamed_check(model, source, params)
@@ -214,7 +214,7 @@ def model_shape(spec: Any, header: Probe, params: InferenceParams) -> tuple[int,
     """The spatial shape the model plans on for an input with this header: on the model's grid
     (the spec's spacing or frame, from the header's affine); a one-slice NIfTI is an image for a
     2D model."""
-    from models.mapping import header_model_shape
+    from models.geometry.mapping import header_model_shape
 
     shape = tuple(header.spatial_shape)
     if int(spec.spatial_dims) == 2 and header.single_slice:
@@ -224,7 +224,7 @@ def model_shape(spec: Any, header: Probe, params: InferenceParams) -> tuple[int,
 
 
 def held_beside(spec: Any, header: Probe, *, streamed: bool) -> dict[str, Any]:
-    """What a request holds beside its plan, as :func:`models.cost.peak_bytes` takes it: the
+    """What a request holds beside its plan, as :func:`models.planning.cost.peak_bytes` takes it: the
     decoded input and its float copy; a streamed request (:mod:`service.stages`) neither, and its
     output is on disk."""
     if streamed:

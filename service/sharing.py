@@ -1,4 +1,4 @@
-"""Shared forward batches in the server: one :class:`models.batching.SharedBatcher` per model.
+"""Shared forward batches in the server: one :class:`models.execution.batching.SharedBatcher` per model.
 
 With ``TILEWISE_SHARED_REQUESTS`` above 1 the device executor runs that many requests at once
 (their reading, preprocessing and merging overlap) and every tiled pass of a model goes through
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from models.batching import SharedBatcher, bound_predictor
+from models.execution.batching import SharedBatcher, bound_predictor
 
 __all__ = ["SharedBatches"]
 

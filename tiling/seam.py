@@ -12,7 +12,7 @@ mean. Nothing is compared where only one tile lies, so a grid whose tiles abut (
 For a local network with a halo at least its receptive-field radius, the kept outputs agree, but
 the discarded halos do not (they lack context), so the measure is not zero: it is what the halo
 is there to discard; so a model that calibrated its halo (``halo="auto"``, tolerance met) reports
-no seam at all (:meth:`models.seams.SeamPolicy.seam_stats`): its kept output was compared with a
+no seam at all (:meth:`models.measure.seams.SeamPolicy.seam_stats`): its kept output was compared with a
 whole pass by the calibration. It is meant for tile-dependent networks (instance norm, attention), whose
 kept outputs differ too, and for halos below the radius, where the halo's disagreement with the
 neighbouring core is the seam's size.

@@ -58,6 +58,6 @@ def case_shallow(bench: Bench) -> None:
             skip=None if bench.have_monai else "monai not installed",
         )
     bench.notes.append(
-        "shallow case: `log-3d` (models.analytic, radius 8) on the 3D case's volume; tile 64 is the "
+        "shallow case: `log-3d` (models.zoo.analytic, radius 8) on the 3D case's volume; tile 64 is the "
         "model's default plan."
     )

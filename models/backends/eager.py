@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.analytic import DEFAULT_SIGMA, DEFAULT_TRUNCATE, AnalyticNet
+from models.zoo.analytic import DEFAULT_SIGMA, DEFAULT_TRUNCATE, AnalyticNet
 from models.backends.base import BasePredictor
 from models.errors import DeviceOutOfMemoryError, InferenceError, SpecError, WeightsError
 from models.spec import ModelSpec
@@ -69,7 +69,7 @@ def load_eager_module(spec: ModelSpec) -> nn.Module:
         except (RuntimeError, ValueError) as exc:
             raise WeightsError(f"model {spec.name!r}: {path} is not a TorchScript file: {exc}") from exc
     else:
-        from models.nets import build_architecture
+        from models.zoo.nets import build_architecture
 
         assert spec.architecture is not None  # spec validation requires it for eager
         module = build_architecture(

@@ -16,8 +16,8 @@ Shapes: ``C`` input channels, ``S`` spatial axes; every probe input is ``(1, C, 
    for networks that pad or crop their skip connections to make any size run eagerly (MONAI's
    ``BasicUNet``): their traced graph keeps the pads of the traced size, so only sizes on the
    stride grid (where the pads are zero) run exported; such a network gets that stride on every axis.
-3. **Tile dependence**: :func:`models.dependence.probe_tile_dependence` at the network's window.
-4. **Receptive field** (local networks only): the impulse probe of :mod:`models.receptive` on
+3. **Tile dependence**: :func:`models.measure.dependence.probe_tile_dependence` at the network's window.
+4. **Receptive field** (local networks only): the impulse probe of :mod:`models.measure.receptive` on
    inputs long along one axis and narrow on the others, grown while the response reaches the
    probe's edge (up to 96 voxels in 3-D, 1024 in 2-D); ``None`` (and tile-dependent) when it never
    stops reaching the edge.
@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.dependence import probe_tile_dependence
+from models.measure.dependence import probe_tile_dependence
 from models.errors import ImportRefusedError
-from models.receptive import probe_input, probe_receptive_field
+from models.measure.receptive import probe_input, probe_receptive_field
 
 __all__ = ["NetworkFacts", "probe_network"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from models.params import OutputFormat
+from models.planning.params import OutputFormat
 from service.errors import PayloadTooLargeError, UnusableInputError
 
 __all__ = ["OUTPUT_FORMATS", "DecodedVolume", "Probe"]

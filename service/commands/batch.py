@@ -145,7 +145,7 @@ def query_params(args: argparse.Namespace) -> dict[str, str]:
     Raises:
         ParamError: an invalid value (the message names the option and the value).
     """
-    from models.params import parse_params
+    from models.planning.params import parse_params
 
     return parse_params(param_values(args)).to_query()
 

@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
     if status:
         return status
     from models import ModelError, ModelRepository
-    from models.params import parse_params
+    from models.planning.params import parse_params
     from service.admission import admit
     from service.codecs import configure_pillow
     from service.errors import ServiceError

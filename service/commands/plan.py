@@ -3,7 +3,7 @@
 The command line's dry run: the same JSON object as ``POST /v1/models/NAME/infer?dry_run=true``
 (tile, halo, overlap, blend, batch_size, tiles, work, peak_bytes, eta_s, ...), from INPUT's header
 alone. The model is loaded with the measurements a server's warm-up (or an earlier ``plan`` or
-``infer``) stored (:mod:`models.measured`): its footprint is measured only the first time (a few
+``infer``) stored (:mod:`models.measure.measured`): its footprint is measured only the first time (a few
 forward passes of synthetic tiles). ``halo=auto`` takes the halo last calibrated for this tile
 (by ``infer`` or a server on this machine, same weights and device), else the receptive-field
 radius; ``halo_source`` says which. ``--memory-budget`` (``TILEWISE_MEMORY_BUDGET``) picks the tile and batch
@@ -54,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
     if status:
         return status
     from models import ModelError, ModelRepository
-    from models.params import parse_params
+    from models.planning.params import parse_params
     from service.codecs import configure_pillow
     from service.errors import ServiceError
     from service.memory import fix_mmap_threshold

@@ -56,8 +56,8 @@ def _unwritable(folder: Path) -> str | None:
 
 def _run(args: argparse.Namespace) -> int:
     from models import DEFAULT_MODELS_DIR, ModelError
-    from models.brainmask import BRAIN_MASK_NAME, setup_brain_mask
-    from models.textdet import TEXT_DET_NAME, setup_text_det
+    from models.zoo.brainmask import BRAIN_MASK_NAME, setup_brain_mask
+    from models.zoo.textdet import TEXT_DET_NAME, setup_text_det
 
     models_dir = (
         args.models or Path(os.environ.get("TILEWISE_MODELS_DIR") or DEFAULT_MODELS_DIR)

@@ -1,4 +1,4 @@
-"""``tilewise train-tissue``: re-train the built-in ``tissue-3d`` model (``models.train_tissue``)."""
+"""``tilewise train-tissue``: re-train the built-in ``tissue-3d`` model (``models.zoo.train_tissue``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-#: Options forwarded to ``models.train_tissue`` when given (their defaults live there only).
+#: Options forwarded to ``models.zoo.train_tissue`` when given (their defaults live there only).
 _FORWARDED = ("out", "seed", "steps", "threads")
 
 
@@ -19,7 +19,7 @@ def register(subparsers: Any) -> None:
             "Train tissue-3d from scratch on nilearn's MNI152 T1 and its grey/white-matter maps, "
             "deterministically from its seed, and write tissue-3d.safetensors, tissue-3d.sha256 and "
             "tissue-3d.metrics.json (Dice on the held-out axial band). Defaults: those of "
-            "`python -m models.train_tissue --help` (seed 0, 2 threads, the built-in model folder)."
+            "`python -m models.zoo.train_tissue --help` (seed 0, 2 threads, the built-in model folder)."
         ),
     )
     parser.add_argument("--out", type=Path, default=None, help="output folder")
@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from models.train_tissue import main
+    from models.zoo.train_tissue import main
 
     argv = []
     for name in _FORWARDED:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.params import parse_query
+from models.planning.params import parse_query
 from service.admission import load_model
 from service.cluster import ClusterRoute
 from service.deadline import RunDeadline

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.params import InferenceParams
+from models.planning.params import InferenceParams
 
 __all__ = ["error_doc", "params_doc"]
 

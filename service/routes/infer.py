@@ -19,7 +19,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from models.params import InferenceParams, parse_query
+from models.planning.params import InferenceParams, parse_query
 from service.admission import admit, check_request, load_model
 from service.budget import Budget
 from service.clients import client_of

@@ -23,7 +23,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from models.params import InferenceParams, parse_query
+from models.planning.params import InferenceParams, parse_query
 from service.admission import admit, check_request
 from service.budget import Budget
 from service.clients import client_of

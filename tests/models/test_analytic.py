@@ -15,7 +15,7 @@ import torch
 from scipy import ndimage as ndi
 
 from models import InferenceParams, InputError, ModelRepository
-from models.analytic import AnalyticNet, analytic_radius, gaussian_kernel1d
+from models.zoo.analytic import AnalyticNet, analytic_radius, gaussian_kernel1d
 
 logger = logging.getLogger(__name__)
 

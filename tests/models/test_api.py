@@ -59,7 +59,7 @@ def test_contract_names() -> None:
 def test_models_never_imports_service_or_fastapi() -> None:
     """DESIGN.md: ``models`` never imports ``service`` (nor the web stack), checked in a fresh interpreter."""
     code = (
-        "import json, sys, models, models.repository, models.model, models.textdet, models.export; "
+        "import json, sys, models, models.repository, models.model, models.zoo.textdet, models.export; "
         "print(json.dumps(sorted(sys.modules)))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

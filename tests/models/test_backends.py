@@ -20,7 +20,7 @@ from models import InferenceParams, ModelRepository
 from models.backends.ort import choose_providers
 from models.errors import BackendUnavailableError
 from models.export import export_onnx, export_torchscript
-from models.nets import UNet
+from models.zoo.nets import UNet
 
 logger = logging.getLogger(__name__)
 

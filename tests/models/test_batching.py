@@ -2,7 +2,7 @@
 
 Oracle: each request run alone (:func:`tiling.tiled_inference` with the model's own predictor)
 and ``scipy.ndimage.gaussian_filter`` (the gaussian-2d model's oracle). Eight requests of four
-tiles each, batch size 8, run concurrently through one :class:`models.batching.SharedBatcher`.
+tiles each, batch size 8, run concurrently through one :class:`models.execution.batching.SharedBatcher`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import scipy.ndimage as ndi
 import torch
 
 from models import ModelRepository
-from models.batching import SharedBatcher
+from models.execution.batching import SharedBatcher
 from tiling import TileGrid, tiled_inference
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from models import ChecksumMismatchError, InputError, ModelRepository, WeightsError
-from models.brainmask import (
+from models.zoo.brainmask import (
     BRAIN_MASK_FILE,
     BRAIN_MASK_NAME,
     BRAIN_MASK_SHA256,
@@ -40,7 +40,7 @@ from models.brainmask import (
     setup_brain_mask,
     to_frame,
 )
-from models.preprocess import preprocess
+from models.transforms.preprocess import preprocess
 from models.weights import sha256_file
 
 logger = logging.getLogger(__name__)

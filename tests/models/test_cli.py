@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from models.textdet import TEXT_DET_FILE
+from models.zoo.textdet import TEXT_DET_FILE
 from service.cli import main
 
 

@@ -22,7 +22,7 @@ from models import (
     WeightsError,
 )
 from models.backends.ort import ORT_ERROR_MAP, translate_ort_errors
-from models.nets import UNet
+from models.zoo.nets import UNet
 
 
 def _write_spec(folder: Path, **fields: object) -> None:

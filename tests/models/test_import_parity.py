@@ -20,7 +20,7 @@ import torch
 from _import_kit import need, nnunet_plans, write_monai_bundle, write_nnunet_folder
 
 from models import ModelRepository, ParamError, parse_params
-from models.mapping import run_mapped
+from models.geometry.mapping import run_mapped
 from service.cli import main
 
 pytestmark = [

@@ -7,7 +7,7 @@ import pytest
 from _import_kit import need
 
 from models import SpecError, spec_from_mapping
-from models.preprocess import preprocess
+from models.transforms.preprocess import preprocess
 
 BASE = {"name": "x", "backend": "analytic", "architecture": "gaussian", "spatial_dims": 3, "out_channels": 1}
 

@@ -3,7 +3,7 @@ uint32 beyond); PNG holds 16-bit labels and refuses wider ones by name; NIfTI an
 
 A TorchScript 1x1x1 conv of 300 and 70,000 output channels end to end, and the pieces a labels run
 goes through: the tiled pass's reduce (argmax), mapping back to the input grid
-(:func:`models.resample.from_model_labels`) and the encoders; read back by nibabel, Pillow and
+(:func:`models.geometry.resample.from_model_labels`) and the encoders; read back by nibabel, Pillow and
 tifffile. Label 264 came back as 8 before.
 """
 
@@ -18,9 +18,9 @@ import tifffile
 import torch
 from PIL import Image
 
-from models.geometry import plan_geometry
-from models.preprocess import label_dtype, make_reduce
-from models.resample import from_model_labels
+from models.geometry.model_grid import plan_geometry
+from models.transforms.preprocess import label_dtype, make_reduce
+from models.geometry.resample import from_model_labels
 from service.codecs import DecodedVolume, encode
 from service.errors import BadParameterError
 

@@ -42,12 +42,12 @@ def _forbid_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*_: object, **__: object) -> None:
         raise AssertionError("measured again although the measurements were stored")
 
-    import models.calibration
+    import models.measure.calibration
     import models.model
-    import models.seams
+    import models.measure.seams
 
-    monkeypatch.setattr(models.calibration, "probe_receptive_field", fail)
-    monkeypatch.setattr(models.seams, "probe_tile_dependence", fail)
+    monkeypatch.setattr(models.measure.calibration, "probe_receptive_field", fail)
+    monkeypatch.setattr(models.measure.seams, "probe_tile_dependence", fail)
     monkeypatch.setattr(models.model, "footprint_of", fail)
 
 
@@ -110,7 +110,7 @@ def test_calibrated_halos_survive_a_restart(tmp_path: Path, monkeypatch: pytest.
 def test_other_key_other_file_and_garbage_ignored(tmp_path: Path) -> None:
     """Another device or spec is another file; an unreadable file is measured again, not fatal."""
     from models import ModelRepository
-    from models.measured import MeasurementStore
+    from models.measure.measured import MeasurementStore
 
     repo = ModelRepository(tmp_path / "none", device="cpu", measurements_dir=tmp_path / "cache")
     spec = repo.spec("gaussian-2d")

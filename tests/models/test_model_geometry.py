@@ -1,4 +1,4 @@
-"""models.geometry and models.resample: orientation against nibabel, resampling against scipy, slabs.
+"""models.geometry.model_grid and models.geometry.resample: orientation against nibabel, resampling against scipy, slabs.
 
 Oracles written elsewhere: ``nibabel.as_closest_canonical`` and ``apply_orientation`` (orientation),
 ``scipy.ndimage.map_coordinates`` (linear resampling at the documented voxel centres), a
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from nibabel.orientations import apply_orientation, axcodes2ornt, inv_ornt_aff, ornt_transform
 from scipy import ndimage
 
-import models.geometry as geometry
+import models.geometry.model_grid as geometry
 from models.errors import InputError
-from models.geometry import GeometryError, plan_geometry
-from models.resample import from_model_labels, from_model_probabilities, to_model
+from models.geometry.model_grid import GeometryError, plan_geometry
+from models.geometry.resample import from_model_labels, from_model_probabilities, to_model
 
 MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
@@ -298,8 +298,8 @@ _PEAK_SCRIPT = textwrap.dedent(
     """
     import json
     import numpy as np, torch, torch.nn.functional as F
-    from models.geometry import plan_geometry
-    from models.resample import from_model_labels
+    from models.geometry.model_grid import plan_geometry
+    from models.geometry.resample import from_model_labels
 
     def status(key):
         for line in open("/proc/self/status"):

@@ -17,7 +17,7 @@ import pytest
 from scipy import ndimage
 
 from models import ModelRepository, parse_params, spec_from_mapping
-from models.preprocess import count_nonfinite, preprocess
+from models.transforms.preprocess import count_nonfinite, preprocess
 from service.pipeline import run_file
 
 SHAPE = (37, 41, 29)

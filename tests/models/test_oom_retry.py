@@ -14,7 +14,7 @@ import torch
 from models import InferenceParams, ModelRepository
 from models.backends import BasePredictor
 from models.errors import DeviceOutOfMemoryError
-from models.footprint import Footprint
+from models.measure.footprint import Footprint
 from models.model import Model
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models import InferenceParams, InputError, ModelRepository, spec_from_mapping
-from models.preprocess import make_reduce, preprocess
+from models.transforms.preprocess import make_reduce, preprocess
 
 
 def _spec(steps: list[Any], in_channels: int = 1) -> Any:

@@ -129,7 +129,7 @@ def test_calibration_is_cached_per_sample_not_first_sample_wins(caplog: pytest.L
     model = ModelRepository("/nonexistent-tilewise-models").get("gaussian-2d")
     flat = np.zeros((1, 96, 96), dtype=np.float32)
     textured = np.random.default_rng(0).random((1, 96, 96), dtype=np.float32)
-    with caplog.at_level(logging.INFO, logger="models.calibration"):
+    with caplog.at_level(logging.INFO, logger="models.measure.calibration"):
         first = model.calibrate((32, 32), 1e-4, flat)
         second = model.calibrate((32, 32), 1e-4, textured)
     assert first.halo == 0 and second.halo > 0

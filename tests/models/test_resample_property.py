@@ -1,4 +1,4 @@
-"""models.resample there and back, a property test (issue 23 item 1).
+"""models.geometry.resample there and back, a property test (issue 23 item 1).
 
 Over axis codes (every permutation and flip), voxel sizes (anisotropic, some equal to the model's so
 one axis is not resampled), odd sizes and slab budgets (one row to all rows at once): the model-grid
@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import ndimage
 
-from models.geometry import plan_geometry
-from models.resample import from_model_labels, from_model_probabilities, to_model
+from models.geometry.model_grid import plan_geometry
+from models.geometry.resample import from_model_labels, from_model_probabilities, to_model
 
 ORNTS = list(itertools.product(itertools.permutations(range(3)), itertools.product((1, -1), repeat=3)))
 ZOOMS = (0.5, 0.7, 1.0, 1.5, 3.0)

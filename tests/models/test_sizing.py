@@ -1,4 +1,4 @@
-"""Halo and tile chosen together, within a memory budget (models.sizing, models.planner).
+"""Halo and tile chosen together, within a memory budget (models.planning.sizing, models.planning.planner).
 
 Footprints here are fixed numbers (no measurement), so the plans are pure arithmetic: the grow rule
 on the issue's case (a calibrated halo of 40 on 96^3 tiles of the 1 mm MNI152: 560 tiles), the
@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import InferenceParams, ModelRepository
-from models.cost import network_seconds, peak_bytes
-from models.footprint import Footprint
-from models.params import Blend, OutputKind, Tta
-from models.planner import auto_halo_rule, given_halo_rule, shrink_plan, size_plan
-from models.sizing import WORK_TARGET, batch_options, shrink_tile
+from models.planning.cost import network_seconds, peak_bytes
+from models.measure.footprint import Footprint
+from models.planning.params import Blend, OutputKind, Tta
+from models.planning.planner import auto_halo_rule, given_halo_rule, shrink_plan, size_plan
+from models.planning.sizing import WORK_TARGET, batch_options, shrink_tile
 from models.spec import spec_from_mapping
 
 MNI = (197, 233, 189)
@@ -102,14 +102,14 @@ def test_a_small_calibrated_halo_keeps_the_requested_tile_where_it_is_cheap() ->
 
 
 def _calibration(halo: int, errors: dict[int, float], tolerance: float, floor: float = 0.0) -> object:
-    from models.receptive import HaloCalibration
+    from models.measure.receptive import HaloCalibration
 
     return HaloCalibration(halo, errors[halo], tolerance, errors, errors[halo] <= tolerance, 0.0, "s", floor)
 
 
 def test_a_grown_tile_keeps_a_halo_no_worse_than_the_start() -> None:
-    """The halo a grown tile gets (models.calibration.AutoHalo.halo_no_worse_than)."""
-    from models.calibration import AutoHalo
+    """The halo a grown tile gets (models.measure.calibration.AutoHalo.halo_no_worse_than)."""
+    from models.measure.calibration import AutoHalo
 
     def auto(halo: int, errors: dict[int, float], tolerance: float, floor: float = 0.0) -> AutoHalo:
         return AutoHalo((halo,) * 3, (63,) * 3, "s", _calibration(halo, errors, tolerance, floor))
@@ -281,7 +281,7 @@ def test_shrink_tile_and_batch_options() -> None:
 
 
 def _plan(sized: object, shape: tuple[int, ...]) -> object:
-    from models.plan import RunPlan
+    from models.planning.plan import RunPlan
 
     return RunPlan("unet-3d", shape, sized.tile, sized.halo, (0,) * len(shape), Blend.CONSTANT,
                    sized.batch_size, OutputKind.PROBABILITIES, "", sized.grid, Tta.NONE)  # fmt: skip

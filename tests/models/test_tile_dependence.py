@@ -1,4 +1,4 @@
-"""models.dependence: the tile-dependence probe on local and tile-dependent torch networks.
+"""models.measure.dependence: the tile-dependence probe on local and tile-dependent torch networks.
 
 Small networks with known behaviour: conv + eval-mode batch norm and dilated convs are local (a far
 change leaves the centre bit-identical); instance norm, global average pooling and train-mode batch
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.dependence import ProbeError, TileDependence, probe_tile_dependence
+from models.measure.dependence import ProbeError, TileDependence, probe_tile_dependence
 from models.errors import InputError
 
 

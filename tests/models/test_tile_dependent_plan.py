@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from models import InferenceParams, ModelRepository
-from models.nets import UNet
+from models.zoo.nets import UNet
 from tiling import TileGrid
 
 logger = logging.getLogger(__name__)

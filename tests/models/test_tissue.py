@@ -20,9 +20,9 @@ import torch
 
 import tiling
 from models import InferenceParams, ModelRepository
-from models.preprocess import preprocess
-from models.tissue_net import ALIGNMENT, RECEPTIVE_FIELD, TissueUNet
-from models.train_tissue import (
+from models.transforms.preprocess import preprocess
+from models.zoo.tissue_net import ALIGNMENT, RECEPTIVE_FIELD, TissueUNet
+from models.zoo.train_tissue import (
     LABEL_NAMES,
     SPEC_PATH,
     TrainConfig,

@@ -39,7 +39,7 @@ def anatomical_path() -> Path:
 @pytest.fixture(scope="session")
 def text_det_onnx(text_det_dir: Path) -> Path:
     """The PP-OCRv4 detector's ONNX file, in a session folder (never the user's model cache)."""
-    from models.textdet import TEXT_DET_FILE
+    from models.zoo.textdet import TEXT_DET_FILE
 
     return text_det_dir / TEXT_DET_FILE
 

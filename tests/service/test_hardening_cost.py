@@ -32,7 +32,7 @@ from _inprocess import InProcessClient
 from _slow_nets import NAME as SLOW
 from _slow_nets import write_model
 
-from models.params import InferenceParams
+from models.planning.params import InferenceParams
 from service.app import create_app
 from service.budget import Budget
 from service.errors import OverBudgetError, PayloadTooLargeError, UnusableInputError

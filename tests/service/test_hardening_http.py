@@ -15,7 +15,7 @@ import pytest
 from _inprocess import InProcessClient
 
 from models.errors import ParamError
-from models.params import parse_params, parse_query
+from models.planning.params import parse_params, parse_query
 from service.app import create_app
 
 

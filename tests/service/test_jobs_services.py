@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from models import ModelRepository
-from models.params import InferenceParams
+from models.planning.params import InferenceParams
 from service.errors import JobNotFoundError
 from service.executor import DeviceExecutor
 from service.jobs import JobService, JobStore

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from models import ModelRepository
-from models.params import InferenceParams
+from models.planning.params import InferenceParams
 from service.errors import JobNotFoundError
 from service.jobs import JobRecord, JobState, JobStore, job_status
 from service.jobs.checkpoint import SlabCheckpoint

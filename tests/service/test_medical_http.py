@@ -89,7 +89,7 @@ def test_anatomical_over_http(
 
 def _brain_mask_dir(tmp_path: Path) -> Path:
     from models import DEFAULT_MODELS_DIR
-    from models.brainmask import (
+    from models.zoo.brainmask import (
         BRAIN_MASK_FILE,
         BRAIN_MASK_NAME,
         BRAIN_MASK_SHA256,

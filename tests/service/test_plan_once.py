@@ -35,7 +35,7 @@ def text_det(text_models_dir: Path):
 
 @pytest.mark.parametrize("dtype", [pytest.param(np.uint8, id="grey8"), pytest.param(np.uint16, id="grey16")])
 def test_text_det_auto_halo_on_grey_image_runs_once(text_det, tmp_path: Path, dtype: type) -> None:
-    from models.params import parse_params
+    from models.planning.params import parse_params
     from service.pipeline import run_file
 
     source = _grey_png(tmp_path, dtype)

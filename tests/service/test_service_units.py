@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 import service.errors as service_errors
 from models.errors import ParamError
-from models.params import InferenceParams, parse_params
+from models.planning.params import InferenceParams, parse_params
 from service.errors import NotReadyError, QueueFullError, ServiceError
 from service.executor import DeviceExecutor
 
@@ -66,9 +66,9 @@ def test_parse_params_errors(raw: dict[str, str], fragment: str) -> None:
 
 
 def test_option_lists_match_the_engine_and_the_codecs() -> None:
-    """models.params is light (the client may not import torch), so it spells the blend names out;
+    """models.planning.params is light (the client may not import torch), so it spells the blend names out;
     they must stay the values of tiling.BlendMode, and the formats those the codecs write."""
-    from models.params import Blend, OutputFormat
+    from models.planning.params import Blend, OutputFormat
     from service._options import FORMAT_SUFFIXES
     from service.codecs import OUTPUT_FORMATS
     from tiling import BlendMode
@@ -81,7 +81,7 @@ def test_option_lists_match_the_engine_and_the_codecs() -> None:
 def test_cli_options_come_from_the_schema() -> None:
     """Every InferenceParams field is a ``--name`` option of ``tilewise infer``, ``tilewise batch``
     and ``tilewise plan``, but the request-only ones (``dry_run``: ``tilewise plan`` is the CLI's)."""
-    from models.params import REQUEST_ONLY
+    from models.planning.params import REQUEST_ONLY
     from service.cli import build_parser
 
     parser = build_parser()
@@ -226,12 +226,12 @@ def test_every_public_exception_has_an_http_mapping() -> None:
 
 
 def test_service_errors_module_is_light() -> None:
-    """service.errors, models.params and the codecs never import torch or FastAPI."""
+    """service.errors, models.planning.params and the codecs never import torch or FastAPI."""
     import subprocess
     import sys
 
     code = (
-        "import sys, service.errors, models.params, models.spec, service.codecs, service._options;"
+        "import sys, service.errors, models.planning.params, models.spec, service.codecs, service._options;"
         "bad = [m for m in ('torch', 'fastapi', 'starlette') if m in sys.modules];"
         "print(*bad); sys.exit(1 if bad else 0)"
     )

@@ -4,7 +4,7 @@ Oracles: the whole-image path of the same request (:func:`service.pipeline.run_v
 decoded file, then :func:`service.codecs.encode`: what every request did before), nibabel's own
 writer (the streamed ``.nii`` is byte-identical to ``nib.save``'s), tifffile reading the streamed
 TIFF back, ``scipy.ndimage.gaussian_filter`` (the gaussian models' oracle) and
-:func:`models.preprocess.preprocess` on the whole image. Sizes are odd (primes) and several tiles.
+:func:`models.transforms.preprocess.preprocess` on the whole image. Sizes are odd (primes) and several tiles.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import yaml
 from PIL import Image
 
 from models import ModelRepository
-from models.params import parse_params
-from models.preprocess import preprocess
-from models.streamed_preprocess import RegionPreprocessed
+from models.planning.params import parse_params
+from models.transforms.preprocess import preprocess
+from models.transforms.streamed import RegionPreprocessed
 from service.codecs import decode, encode
 from service.dryrun import dry_run
 from service.errors import BadParameterError, InsufficientStorageError, PayloadTooLargeError
@@ -200,7 +200,7 @@ def test_paged_memmap_keeps_resident_memory_bounded(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import numpy as np, sys
-        from models.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+        from models.measure.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
         from service.paged import open_paged
         kind = sys.argv[1]
         shape = (256, 256, 1024)

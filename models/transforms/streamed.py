@@ -3,7 +3,7 @@
 :class:`RegionPreprocessed` wraps an array-like input ``(C, *spatial)`` (``shape``, ``dtype``,
 ``source[slices]``) as the preprocessed ``(C_in, *spatial)`` float32 array the engine reads tiles
 from: each region read is preprocessed on its own, so no full-size float copy of the input exists.
-It equals :func:`models.preprocess.preprocess` of the whole image, voxel for voxel, because every
+It equals :func:`models.transforms.preprocess.preprocess` of the whole image, voxel for voxel, because every
 step is either local (channel conversions, ``ct_window``, ``clip``, ``scale_range``,
 ``normalize``, ``unit_range`` of integers) or takes whole-image statistics computed first in one
 streaming pass over slabs (``zscore``: mean and standard deviation, per channel or over non-zero
@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from models.errors import InputError
-from models.preprocess import _apply, _unit_range
+from models.transforms.preprocess import _apply, _unit_range
 from models.spec import ModelSpec, PreprocessStep
 
 __all__ = [
@@ -80,7 +80,7 @@ class RegionPreprocessed:
             by a tuple of slices; ``slab_axis``, if it has one, is the spatial axis along which
             slabs are cheapest to read).
         spec: the model's spec (``preprocess``, ``in_channels``, ``spatial_dims``).
-        as_float: cast the source to float32 first (what :meth:`models.mapping.GridMapping.to_model`
+        as_float: cast the source to float32 first (what :meth:`models.geometry.mapping.GridMapping.to_model`
             does for a spec with geometry).
         check_finite: refuse a float input without a single finite value (one streaming pass).
 
@@ -140,7 +140,7 @@ class RegionPreprocessed:
         if upto is not None:
             return x
         out = np.ascontiguousarray(x, dtype=np.float32)
-        # non-finite voxels become 0 after the steps, as in models.preprocess (MONAI / nnU-Net)
+        # non-finite voxels become 0 after the steps, as in models.transforms.preprocess (MONAI / nnU-Net)
         if np.isfinite(out).all():
             return out
         return np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0)

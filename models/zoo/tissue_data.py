@@ -1,9 +1,9 @@
 """The ``tissue-3d`` training data: the MNI152 template from nilearn, the held-out band, augmented patches.
 
-One job: what :mod:`models.train_tissue` trains on: :func:`load_mni152` (T1, class maps, labels),
+One job: what :mod:`models.zoo.train_tissue` trains on: :func:`load_mni152` (T1, class maps, labels),
 :func:`held_out_band` (the axial band no training patch reads), and ``_PatchSampler`` (rotated,
 zoomed, flipped, intensity-augmented patches drawn around the band). See
-:mod:`models.train_tissue` for the data, band and augmentation choices.
+:mod:`models.zoo.train_tissue` for the data, band and augmentation choices.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from models.train_tissue import TrainConfig
+    from models.zoo.train_tissue import TrainConfig
 
 
 __all__ = ["BAND_FRACTION", "held_out_band", "load_mni152", "mni152_paths"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from models.spec import ModelSpec, spec_from_mapping
-from models.wheels import WheelMember, extract_member
+from models.zoo.wheels import WheelMember, extract_member
 
 __all__ = [
     "TEXT_DET_FILE",

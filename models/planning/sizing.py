@@ -12,7 +12,7 @@ the alignment; the grid sizes each tile down to fit) and batch sizes:
   does, the one of least work that fits. A calibrated halo of 40 on 96^3 tiles (core 16: 560 tiles
   on the 1 mm MNI152) becomes one whole-volume tile within a few GB.
 - **fit** (``TILEWISE_MEMORY_BUDGET`` given, tile or batch size not given by the request): the plan
-  of least predicted network time (:meth:`~models.footprint.Footprint.seconds`) whose peak fits
+  of least predicted network time (:meth:`~models.measure.footprint.Footprint.seconds`) whose peak fits
   the budget (ties: less memory); when nothing fits, the least memory among the plans that feed
   the network no more than the starting tile's plan (or 2.4) voxels per input voxel: a budget
   below what the image itself holds never buys a run of tiny tiles (the request budget,

@@ -21,7 +21,7 @@ grey and white matter. AdamW with warm-up and a cosine schedule. Batch norm keep
 statistics from training.
 
 Normalization: the spec's own ``preprocess`` steps (``percentile`` 0 / 99.5, so that the whole
-volume maps to [0, 1]) run through :func:`models.preprocess.preprocess`, exactly as served.
+volume maps to [0, 1]) run through :func:`models.transforms.preprocess.preprocess`, exactly as served.
 
 Determinism: ``torch.manual_seed``, a NumPy ``Generator`` for every random draw, deterministic
 algorithms and a fixed thread count. The same seed and thread count on the same machine give
@@ -33,11 +33,11 @@ Cost: about 12 k multiply-adds per voxel forward, 2 x 110 k voxels per step, 800
 record the wall time (``train_seconds``) and the CPU time summed over threads
 (``train_cpu_seconds``, which bounds the wall time on as many idle cores as ``threads``).
 
-Run ``python -m models.train_tissue --out DIR`` or ``tilewise train-tissue --out DIR``.
+Run ``python -m models.zoo.train_tissue --out DIR`` or ``tilewise train-tissue --out DIR``.
 
 Modules: this one holds the config, the training loop, the run (weights, sha256, metrics) and the
-CLI; :mod:`models.tissue_data` the template, the band and the patch sampler;
-:mod:`models.tissue_eval` the held-out Dice.
+CLI; :mod:`models.zoo.tissue_data` the template, the band and the patch sampler;
+:mod:`models.zoo.tissue_eval` the held-out Dice.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from models.tissue_data import BAND_FRACTION, _PatchSampler, held_out_band, load_mni152, mni152_paths
-from models.tissue_eval import LABEL_NAMES, band_dice, dice_scores, predict_band
+from models.zoo.tissue_data import BAND_FRACTION, _PatchSampler, held_out_band, load_mni152, mni152_paths
+from models.zoo.tissue_eval import LABEL_NAMES, band_dice, dice_scores, predict_band
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def train_module(
     params: dict[str, Any] | None = None,
     log_every: int = 25,
 ) -> tuple[Any, dict[str, Any]]:
-    """Train a fresh :class:`~models.tissue_net.TissueUNet` on patches outside ``band``.
+    """Train a fresh :class:`~models.zoo.tissue_net.TissueUNet` on patches outside ``band``.
 
     Args:
         config: hyper-parameters (seed, steps, ...).
@@ -193,7 +193,7 @@ def _train(
 ) -> tuple[Any, dict[str, Any]]:
     import torch
 
-    from models.tissue_net import TissueUNet
+    from models.zoo.tissue_net import TissueUNet
 
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
@@ -270,7 +270,7 @@ def run(
     import torch
     from safetensors.torch import save_file
 
-    from models.preprocess import preprocess
+    from models.transforms.preprocess import preprocess
     from models.spec import load_spec
 
     spec = load_spec(spec_path)
@@ -328,7 +328,7 @@ def _update_spec_sha(spec_path: Path, digest: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The training options (shared by ``python -m models.train_tissue`` and ``tilewise train-tissue``)."""
+    """The training options (shared by ``python -m models.zoo.train_tissue`` and ``tilewise train-tissue``)."""
     default = TrainConfig()
     parser.add_argument(
         "--out", type=Path, default=SPEC_PATH.parent, help=f"output folder (default: {SPEC_PATH.parent})"
@@ -354,8 +354,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m models.train_tissue [--out DIR] [--seed N] [--steps N] [--threads N]``."""
-    parser = argparse.ArgumentParser(prog="python -m models.train_tissue", description=__doc__.split("\n")[0])
+    """``python -m models.zoo.train_tissue [--out DIR] [--seed N] [--steps N] [--threads N]``."""
+    parser = argparse.ArgumentParser(prog="python -m models.zoo.train_tissue", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from models.params import Blend, OutputKind, Tta
+from models.planning.params import Blend, OutputKind, Tta
 from tiling import TileGrid
 
 __all__ = ["RunPlan"]
@@ -40,7 +40,7 @@ class RunPlan:
         mirror_axes: the spatial axes ``tta=mirror`` flips (the spec's ``mirror_axes``).
         tile_source: where :attr:`tile` came from: ``given`` (the request), ``default`` (the
             spec), ``grown`` (a larger tile where the halo ate the default one) or ``budget``
-            (chosen within ``TILEWISE_MEMORY_BUDGET``); see :mod:`models.planner`.
+            (chosen within ``TILEWISE_MEMORY_BUDGET``); see :mod:`models.planning.planner`.
     """
 
     model: str

@@ -1,9 +1,9 @@
 """Warm-up measurements kept on disk, so a restart (or a replica) does not measure again.
 
-A model's warm-up measures its receptive field (:class:`~models.receptive.ReceptiveField`), its
-tile dependence (:class:`~models.dependence.TileDependence`), its footprint
-(:class:`~models.footprint.Footprint`) and, on first need, calibrated halos
-(:class:`~models.receptive.HaloCalibration`): tens of seconds per model on two loaded cores.
+A model's warm-up measures its receptive field (:class:`~models.measure.receptive.ReceptiveField`), its
+tile dependence (:class:`~models.measure.dependence.TileDependence`), its footprint
+(:class:`~models.measure.footprint.Footprint`) and, on first need, calibrated halos
+(:class:`~models.measure.receptive.HaloCalibration`): tens of seconds per model on two loaded cores.
 :class:`MeasurementStore` writes them as one JSON file per model and reads them back when the
 model loads.
 
@@ -30,9 +30,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from models.dependence import TileDependence
-from models.footprint import Footprint
-from models.receptive import HaloCalibration, ReceptiveField
+from models.measure.dependence import TileDependence
+from models.measure.footprint import Footprint
+from models.measure.receptive import HaloCalibration, ReceptiveField
 from models.spec import ModelSpec
 
 if TYPE_CHECKING:

@@ -86,7 +86,7 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     few MiB come from the heap, where freed memory may or may not go back to the system: the same
     forward pass then peaks 20 or 37 MB higher from one run to the next (``gaussian-3d`` on 64^3,
     batch 1), 21 or 108 MB (``log-3d``). A fixed threshold makes a run's peak the sum of what it
-    holds (as :mod:`models.footprint` measures it) and lets an idle process shrink back. The
+    holds (as :mod:`models.measure.footprint` measures it) and lets an idle process shrink back. The
     service sets it at start-up (``TILEWISE_MMAP_THRESHOLD_BYTES``; 0 leaves glibc's default).
     Returns ``False`` where ``mallopt`` is missing (musl, macOS) or ``threshold`` is 0.
     """

@@ -13,7 +13,7 @@ central box. A local network gives the same outputs up to float rounding (usuall
 a tile-dependent one changes them by a sizeable fraction of their magnitude.
 
 Where ``r`` comes from, in order: the ``radius`` argument (e.g. the spec's ``receptive_field``);
-else the impulse probe :func:`models.receptive.probe_receptive_field` run on a random input of the
+else the impulse probe :func:`models.measure.receptive.probe_receptive_field` run on a random input of the
 tile's shape, when it is *bounded* (no change reached the tile's edge); else (the changes reached the
 edge: a global operation, or a receptive field wider than half the tile) ``r = T // 4`` is assumed.
 With the assumed radius a local network whose influence at ``T / 4`` voxels still exceeds the
@@ -38,7 +38,7 @@ import numpy.typing as npt
 import torch
 
 from models.errors import InputError
-from models.receptive import probe_receptive_field
+from models.measure.receptive import probe_receptive_field
 
 __all__ = ["DEFAULT_TOLERANCE", "ProbeError", "TileDependence", "probe_tile_dependence"]
 
@@ -183,7 +183,7 @@ def probe_tile_dependence(
         plus what the predictor needs for batch 1 (batch 3 for the impulse probe).
 
     Source:
-        none (original). The impulse probe: :mod:`models.receptive`.
+        none (original). The impulse probe: :mod:`models.measure.receptive`.
     """
     start = time.perf_counter()
     if spatial_dims not in (1, 2, 3):

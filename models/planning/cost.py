@@ -2,11 +2,11 @@
 
 The service refuses a request whose plan costs more than its limits before anything runs
 (``service.budget``); the planner keeps plans within ``TILEWISE_MEMORY_BUDGET``
-(:mod:`models.sizing`); a dry run reports the same figures.
+(:mod:`models.planning.sizing`); a dry run reports the same figures.
 
 Memory, worked out for an image of ``V`` voxels (output ``V_out``), ``C_in`` input and ``C_out`` output
 channels, batch ``B`` of tiles of ``T`` voxels (outputs ``T_out``), ``F`` the network's working memory
-(:meth:`models.footprint.Footprint.working_bytes`, measured at warm-up: activations, scratch and the
+(:meth:`models.measure.footprint.Footprint.working_bytes`, measured at warm-up: activations, scratch and the
 batch's prediction)::
 
     preprocessed input      4 * C_in * V        (0 when the decoded input is float32 and unchanged)
@@ -22,7 +22,7 @@ measured at batch 2) on 192^3 with its default tile 64 and batch 2: 28 MB decode
 buffers, 38 MB for the network, 28 MB out: about 98 MB (measured: within 25 %, see
 ``tests/models/test_cost_accuracy.py``).
 
-Time: :meth:`~models.footprint.Footprint.seconds` of the plan's forward passes and voxels (network
+Time: :meth:`~models.measure.footprint.Footprint.seconds` of the plan's forward passes and voxels (network
 time only: reading, merging and encoding are left out).
 """
 
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import math
 
-from models.footprint import Footprint
-from models.params import OutputKind
-from models.plan import RunPlan
+from models.measure.footprint import Footprint
+from models.planning.params import OutputKind
+from models.planning.plan import RunPlan
 
 __all__ = ["STREAMED_OUTPUT_BYTES", "network_seconds", "peak_bytes"]
 

@@ -2,7 +2,7 @@
 
 A *tile-dependent* network (instance norm, attention, global pooling over the tile) cannot be made
 exact by any halo (DESIGN.md, "tile-dependent networks"). :class:`SeamPolicy` holds one loaded
-model's verdict: the spec's ``tile_dependent``, else :func:`models.dependence.probe_tile_dependence`
+model's verdict: the spec's ``tile_dependent``, else :func:`models.measure.dependence.probe_tile_dependence`
 run once on a tile of the spec's default shape (at warm-up, or on first need) and cached. From it
 and the receptive field it decides whether a run measures its seam (:meth:`SeamPolicy.seam_stats`,
 the ``X-Tilewise-Seam`` header) and whether a given halo deserves a warning
@@ -16,10 +16,10 @@ import threading
 from collections.abc import Sequence
 
 from models.backends import BasePredictor
-from models.calibration import HaloCalibrator
-from models.dependence import ProbeError, TileDependence, probe_tile_dependence
-from models.plan import RunPlan
-from models.preprocess import make_reduce
+from models.measure.calibration import HaloCalibrator
+from models.measure.dependence import ProbeError, TileDependence, probe_tile_dependence
+from models.planning.plan import RunPlan
+from models.transforms.preprocess import make_reduce
 from models.spec import Backend, ModelSpec
 from tiling import SeamStats, TileGrid
 from tiling.geometry import as_ints
@@ -63,7 +63,7 @@ class SeamPolicy:
 
     @property
     def probe(self) -> TileDependence | None:
-        """The probe's result, ``None`` before it ran (:mod:`models.measured` stores it)."""
+        """The probe's result, ``None`` before it ran (:mod:`models.measure.measured` stores it)."""
         with self._lock:
             return self._probe
 

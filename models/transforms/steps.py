@@ -1,8 +1,8 @@
 """Preprocessing steps of a model spec: their types, their parameters, their validation.
 
 In a spec file a step is a name (``zscore``) or a mapping with ``type`` and the parameters
-(``{type: ct_window, lo: -1000, hi: 400}``); :mod:`models.preprocess` applies them. The spec's
-``frame`` (:class:`FrameSpec`), a geometric step, is applied by :mod:`models.mapping`.
+(``{type: ct_window, lo: -1000, hi: 400}``); :mod:`models.transforms.preprocess` applies them. The spec's
+``frame`` (:class:`FrameSpec`), a geometric step, is applied by :mod:`models.geometry.mapping`.
 
 Steps written by ``tilewise import-model`` follow their source exactly: ``scale_range`` is MONAI's
 ``ScaleIntensityRange(a_min, a_max, b_min, b_max, clip)``; ``zscore`` with ``channel_wise`` /

@@ -3,7 +3,7 @@ of memory.
 
 :meth:`models.Model.execute` validates the input and calls :func:`execute_plan`, which runs
 :func:`tiling.tiled_inference` once per flip of ``plan.flips`` (one pass without ``tta``) through
-:func:`models.planner.retry_smaller` (half the batch, then half the tile, on
+:func:`models.planning.planner.retry_smaller` (half the batch, then half the tile, on
 :class:`~models.errors.DeviceOutOfMemoryError`). A global-pooling network gets its whole-image
 pool means before each pass (:func:`prepare_context`); those are state on the predictor, so such
 a model runs one pass at a time (``model.run_lock``).
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from models.batching import current_predictor
-from models.params import OutputKind
-from models.plan import RunPlan
-from models.planner import retry_smaller
-from models.preprocess import make_reduce
+from models.execution.batching import current_predictor
+from models.planning.params import OutputKind
+from models.planning.plan import RunPlan
+from models.planning.planner import retry_smaller
+from models.transforms.preprocess import make_reduce
 from tiling import Placement, Resume, SeamStats, aligned_extent, context_halo
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def _tiled(
     flips: tuple[tuple[int, ...], ...] | None = None,
 ) -> tuple[npt.NDArray[Any], RunPlan]:
     """One tiled pass, retried smaller when the device runs out of memory
-    (:func:`models.planner.retry_smaller`), or run by ``tiled`` elsewhere; the result and the plan
+    (:func:`models.planning.planner.retry_smaller`), or run by ``tiled`` elsewhere; the result and the plan
     that made it. ``flips``: each tile's prediction is the mean over these flips of the tile
     (:class:`MirroredTiles`)."""
     from tiling import tiled_inference
@@ -131,7 +131,7 @@ def _tiled(
 
     def once(p: RunPlan, r: Resume | None) -> npt.NDArray[Any]:
         context = model.context
-        # a shared batch (models.batching) when the service bound one; never with pool-mean state
+        # a shared batch (models.execution.batching) when the service bound one; never with pool-mean state
         base = model.predictor if context is not None else current_predictor(model.predictor)
         predictor: Any = base if flips is None else MirroredTiles(base, flips)  # tta in each window
         # Whole-image pool means are state on the predictor: one global-pooling run at a time.

@@ -1,6 +1,6 @@
 """Held-out evaluation of ``tissue-3d``: Dice per class, and the whole-volume logits of the band.
 
-One job: score a trained network on the axial band :mod:`models.tissue_data` holds out
+One job: score a trained network on the axial band :mod:`models.zoo.tissue_data` holds out
 (:func:`predict_band` runs only the slab the band's receptive field needs; :func:`band_dice`).
 """
 
@@ -63,7 +63,7 @@ def band_dice(
     module: Any, x: npt.NDArray[np.float32], labels: npt.NDArray[np.uint8], band: tuple[int, int]
 ) -> dict[str, float]:
     """Dice per class on the held-out band (whole-volume prediction, argmax of the logits)."""
-    from models.tissue_net import ALIGNMENT, RECEPTIVE_FIELD
+    from models.zoo.tissue_net import ALIGNMENT, RECEPTIVE_FIELD
 
     logits = predict_band(module, x, band, alignment=ALIGNMENT, radius=RECEPTIVE_FIELD)
     return dice_scores(np.argmax(logits, axis=0), labels[..., band[0] : band[1]])

@@ -1,7 +1,7 @@
-"""Move arrays between the input grid and a model's grid, as a :class:`~models.geometry.GeometryPlan` says.
+"""Move arrays between the input grid and a model's grid, as a :class:`~models.geometry.model_grid.GeometryPlan` says.
 
 Shapes: ``C`` input channels, ``C_out`` output channels, ``S`` the input's spatial shape, ``S_r`` the
-same voxels reoriented to the model's axis codes, ``S_m`` the model grid (see :mod:`models.geometry`).
+same voxels reoriented to the model's axis codes, ``S_m`` the model grid (see :mod:`models.geometry.model_grid`).
 
 - :func:`to_model`: reorient (flips and transposes, exact) then resample (linear), ``S -> S_m``.
 - :func:`from_model_probabilities`: resample back (linear) then inverse-reorient, ``S_m -> S``.
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from nibabel.orientations import apply_orientation
 
-from models.geometry import DEFAULT_SLAB_BYTES, GeometryError, GeometryPlan, Ornt
+from models.geometry.model_grid import DEFAULT_SLAB_BYTES, GeometryError, GeometryPlan, Ornt
 
 __all__ = ["from_model_labels", "from_model_probabilities", "to_model"]
 

@@ -19,7 +19,7 @@ a least-squares fit of the four runs,
 
 The peak is measured where the memory lives: on CUDA, for a torch backend,
 ``torch.cuda.max_memory_allocated`` above the allocation before the call; elsewhere the process's
-resident memory (:func:`models.rss.peak_rise`: the kernel's high-water mark, reset before the call,
+resident memory (:func:`models.measure.rss.peak_rise`: the kernel's high-water mark, reset before the call,
 after free heap pages went back to the OS). Each shape runs once unmeasured (lazy initialisation,
 kernel choice) and twice measured; the larger rise counts (whether glibc hands a freed block of a
 few MB back to the system or reuses it decides between two peaks: ``gaussian-3d`` on 64^3 at batch
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from models.rss import peak_rise
+from models.measure.rss import peak_rise
 from tiling.plan import round_up
 
 __all__ = [

@@ -17,7 +17,7 @@ and reorient before the network and invert after). Three steps, each skipped whe
    interpolated), slab by slab, so no ``C_out``-channel float volume at the input resolution exists.
 
 This module plans (pure arithmetic: :func:`plan_geometry` gives a :class:`GeometryPlan`);
-:mod:`models.resample` moves the arrays (``to_model``, ``from_model_probabilities``,
+:mod:`models.geometry.resample` moves the arrays (``to_model``, ``from_model_probabilities``,
 ``from_model_labels``) and states the interpolation convention: the grids share one field of view,
 voxel ``i`` of ``n`` centred at ``(i + 0.5) / n`` of it, so the model grid's voxel size is
 ``zooms * S_r / S_m`` and :attr:`GeometryPlan.model_affine` maps its voxels to the world points that

@@ -1,4 +1,4 @@
-"""One request's tile, halo, batch size and grid, sized by the rules of :mod:`models.sizing`.
+"""One request's tile, halo, batch size and grid, sized by the rules of :mod:`models.planning.sizing`.
 
 :meth:`models.Model.plan` resolves the parameters (the request's over the spec's defaults) and the
 halo rule (a given halo, or ``auto``: the calibrated halo capped for each tile), then calls
@@ -33,12 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from models.cost import network_seconds, peak_bytes
+from models.planning.cost import network_seconds, peak_bytes
 from models.errors import DeviceOutOfMemoryError
-from models.footprint import Footprint
-from models.params import Blend, OutputKind, Tta
-from models.plan import RunPlan
-from models.sizing import Candidate, Sizer, batch_options, shrink_tile
+from models.measure.footprint import Footprint
+from models.planning.params import Blend, OutputKind, Tta
+from models.planning.plan import RunPlan
+from models.planning.sizing import Candidate, Sizer, batch_options, shrink_tile
 from models.spec import ModelSpec
 from tiling import GridError, Placement, TileGrid, aligned_extent, cap_halo, fits_one_tile
 
@@ -100,7 +100,7 @@ def auto_halo_rule(
 
 def shrink_plan(plan: RunPlan, spec: ModelSpec) -> RunPlan | None:
     """The plan to retry after the device ran out of memory: half the batch, else half the tile
-    (same halo, overlap and options; :func:`models.sizing.shrink_tile`); ``None`` when both are at
+    (same halo, overlap and options; :func:`models.planning.sizing.shrink_tile`); ``None`` when both are at
     their least."""
     batch = min(plan.batch_size, plan.grid.n_tiles)
     if batch > 1:
@@ -162,7 +162,7 @@ def default_memory_budget(device: object = "cpu") -> int:
 
         if torch.cuda.is_available():
             return int(torch.cuda.get_device_properties(torch.device(str(device))).total_memory // 2)
-    from models.rss import memory_limit_bytes
+    from models.measure.rss import memory_limit_bytes
 
     return memory_limit_bytes() // 2
 
@@ -198,7 +198,7 @@ def size_plan(
     given, checks a tile other than the starting one (``halo="auto"``: calibrated at that tile,
     some networks being exact only at some tile sizes) and returns the halo rule to plan it with,
     or ``None`` to keep the starting tile. ``input_bytes``, ``copies_input`` and
-    ``output_on_disk`` are the request's own (:func:`models.cost.peak_bytes`): a budget bounds the
+    ``output_on_disk`` are the request's own (:func:`models.planning.cost.peak_bytes`): a budget bounds the
     whole request.
     """
     rules = [halo_of]  # the rule in force: a verified tile may bring its own

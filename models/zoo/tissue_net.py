@@ -90,7 +90,7 @@ class TissueUNet(nn.Module):
 def build_tissue_unet(
     spatial_dims: int, in_channels: int, out_channels: int, *, widths: Sequence[int] = (8, 16, 32)
 ) -> TissueUNet:
-    """Builder for the eager backend (``architecture: models.tissue_net:build_tissue_unet``).
+    """Builder for the eager backend (``architecture: models.zoo.tissue_net:build_tissue_unet``).
 
     Raises:
         TypeError: ``spatial_dims`` is not 3, or ``widths`` is not three positive ints (the

@@ -4,7 +4,7 @@ Only ``data/models/model.pt`` of ``deepbet-1.0.2-py3-none-any.whl`` is extracted
 LinkNet3d: 2.1 M parameters, instance norm after every convolution, total stride 32, softmax over
 2 channels inside the graph, channel 1 = brain). The wheel's dependencies are not ours and are
 never installed. The file is verified against :data:`BRAIN_MASK_SHA256` and written with a spec
-YAML next to it in the model folder, as ``text-det-2d`` is (:mod:`models.textdet`).
+YAML next to it in the model folder, as ``text-det-2d`` is (:mod:`models.zoo.textdet`).
 
 What deepbet does (``deepbet/bet.py`` and ``deepbet/utils.py`` of the wheel):
 
@@ -30,7 +30,7 @@ frame: Dice 0.75-0.78 against the whole pass; 192^3: 0.993, neighbouring tiles d
 (:func:`to_frame`) and the default of one 256^3 tile, the frame itself (``benchmarks/BRAINMASK.md``).
 
 The spec says all of this but step 4's post-processing (its own spec fields, applied by
-:mod:`models.mapping` for the server, ``tilewise infer`` and :func:`brain_mask` alike):
+:mod:`models.geometry.mapping` for the server, ``tilewise infer`` and :func:`brain_mask` alike):
 ``orientation: RAS``; ``frame: {shape: [256, 256, 256], margin: 0.1}``, the box being found
 without deepbet's second network, as the planes whose foreground fraction (above 10 % of the
 0.5-99.5 % intensity range) exceeds 2 % (for a skull-stripped volume such as the MNI152 template
@@ -53,11 +53,11 @@ import numpy.typing as npt
 
 from models.errors import InputError
 from models.spec import ModelSpec, spec_from_mapping
-from models.wheels import WheelMember, extract_member
+from models.zoo.wheels import WheelMember, extract_member
 
 if TYPE_CHECKING:
     from models.model import Model
-    from models.params import InferenceParams
+    from models.planning.params import InferenceParams
 
 __all__ = [
     "BOX_MARGIN",
@@ -172,7 +172,7 @@ class BrainFrame:
 
 
 def brain_box(volume: npt.NDArray[Any], *, margin: float = BOX_MARGIN) -> tuple[slice, slice, slice]:
-    """The foreground's box widened by ``margin`` per side (:func:`models.mapping.foreground_box`).
+    """The foreground's box widened by ``margin`` per side (:func:`models.geometry.mapping.foreground_box`).
 
     Args:
         volume: ``(X, Y, Z)`` intensities.
@@ -180,7 +180,7 @@ def brain_box(volume: npt.NDArray[Any], *, margin: float = BOX_MARGIN) -> tuple[
     Raises:
         InputError: no plane has enough foreground (a blank volume).
     """
-    from models.mapping import foreground_box
+    from models.geometry.mapping import foreground_box
 
     if np.ndim(volume) != 3:
         raise InputError(f"{BRAIN_MASK_NAME}: expected a 3-D volume (X, Y, Z), got shape {np.shape(volume)}")
@@ -265,15 +265,15 @@ def brain_mask(
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
     """Brain mask and brain probability of a T1-weighted volume, on the volume's own grid.
 
-    Runs ``model`` (``brain-mask-3d``) as the server does (:func:`models.mapping.run_mapped`: RAS,
+    Runs ``model`` (``brain-mask-3d``) as the server does (:func:`models.geometry.mapping.run_mapped`: RAS,
     the spec's frame, its preprocessing, ``params`` or the spec's plan), maps both channels back
     (linear) and labels ``p(brain) > 0.5``.
 
     Returns:
         ``(X, Y, Z)`` uint8 mask (1 = brain) and ``(X, Y, Z)`` float32 probability.
     """
-    from models.mapping import run_mapped
-    from models.params import InferenceParams, OutputKind
+    from models.geometry.mapping import run_mapped
+    from models.planning.params import InferenceParams, OutputKind
 
     given = (params or InferenceParams()).model_dump(exclude_unset=True)
     run = run_mapped(

@@ -8,11 +8,11 @@ What the spec asks for, in order (each step skipped when it is a no-op):
 
 1. ``orientation`` (3-D, with an affine): reorient ``S -> S_r`` (flips and transposes; exact).
 2. ``spacing``: resample (linear) the whole ``S_r`` to the spec's voxel size, ``S_m``
-   (:mod:`models.geometry`); or ``frame``: crop the foreground's box ``B`` (+ margin) of ``S_r``
+   (:mod:`models.geometry.model_grid`); or ``frame``: crop the foreground's box ``B`` (+ margin) of ``S_r``
    and resample it (linear) to ``frame.shape`` = ``S_m`` (deepbet's brain frame).
 3. Back: probabilities are resampled (linear) to ``S_r`` (or ``B``), then inverse-reoriented;
    labels are the argmax of those resampled probabilities, made slab by slab
-   (:mod:`models.resample`), so no ``C_out``-channel float volume exists at the input's
+   (:mod:`models.geometry.resample`), so no ``C_out``-channel float volume exists at the input's
    resolution. Outside a frame's box the output is label 0: probability 1 on channel 0 (0 for a
    one-channel output).
 
@@ -26,7 +26,7 @@ depend on whether this input happened to need resampling).
 Memory, for ``output=labels`` with resampling: the model-grid input ``4 * C * prod(S_m)`` bytes (plus
 the reoriented ``4 * C * prod(S_r)`` while it is made, when a reorientation or a frame needs it),
 the model-grid probabilities ``4 * C_out * prod(S_m)``, the uint8 labels ``prod(S)`` and one slab
-(``models.geometry.DEFAULT_SLAB_BYTES``, 64 MiB).
+(``models.geometry.model_grid.DEFAULT_SLAB_BYTES``, 64 MiB).
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ import numpy as np
 import numpy.typing as npt
 
 from models.errors import InputError
-from models.geometry import DEFAULT_SLAB_BYTES, GeometryError, GeometryPlan, plan_geometry
-from models.params import InferenceParams, OutputKind, Spacing
-from models.resample import _oriented, from_model_labels, from_model_probabilities, to_model
+from models.geometry.model_grid import DEFAULT_SLAB_BYTES, GeometryError, GeometryPlan, plan_geometry
+from models.planning.params import InferenceParams, OutputKind, Spacing
+from models.geometry.resample import _oriented, from_model_labels, from_model_probabilities, to_model
 from models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from models.model import Model, TiledPass
-    from models.plan import RunPlan
+    from models.planning.plan import RunPlan
     from tiling import Resume, SeamStats
 
 __all__ = [
@@ -138,7 +138,7 @@ class GridMapping:
         return self.frame.model_shape if self.frame is not None else self.geometry.model_shape
 
     def extra_bytes(self, out_channels: int, *, labels: bool) -> int:
-        """Bytes mapping back holds beyond the run's own (:func:`models.cost.peak_bytes` of its plan).
+        """Bytes mapping back holds beyond the run's own (:func:`models.planning.cost.peak_bytes` of its plan).
 
         With resampling the run ends in ``C_out``-channel float32 probabilities on the model grid
         (``4 * C_out * prod(S_m)`` instead of ``prod(S_m)`` uint8 labels), then the input-grid

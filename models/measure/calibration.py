@@ -20,9 +20,9 @@ import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
 from models.errors import InputError
-from models.planner import HaloRule, auto_halo_rule
-from models.preprocess import make_reduce
-from models.receptive import (
+from models.planning.planner import HaloRule, auto_halo_rule
+from models.transforms.preprocess import make_reduce
+from models.measure.receptive import (
     HaloCalibration,
     ReceptiveField,
     calibrate_halo,
@@ -62,7 +62,7 @@ class AutoHalo:
         When ``other`` met the tolerance, this tile's calibrated halo if it meets it too. When
         neither could (a tolerance below what any halo reaches), the smallest halo of this tile
         whose error is within ``other``'s, or within float32 rounding
-        (:attr:`~models.receptive.HaloCalibration.floor`): comparing two errors at the rounding
+        (:attr:`~models.measure.receptive.HaloCalibration.floor`): comparing two errors at the rounding
         level compares noise (the benchmarks' U-Net at 1e-12: 1.5e-8 on 96^3 tiles, 4.5e-8 on a
         tile grown to 208x176x192, both within a few units in the last place), and the largest
         halo of the larger tile would eat it again (halo 63 on 176: five tiles along that axis
@@ -145,7 +145,7 @@ class HaloCalibrator:
 
     def measured(self) -> tuple[ReceptiveField | None, list[tuple[tuple[Any, ...], HaloCalibration]]]:
         """The probe's result (``None`` before it ran) and the calibrated halos, oldest first
-        (:mod:`models.measured` stores them)."""
+        (:mod:`models.measure.measured` stores them)."""
         with self._lock:
             return self._probe, list(self._halos.items())
 
@@ -220,7 +220,7 @@ class HaloCalibrator:
         """``halo="auto"`` for tiles of ``tile`` on an image of ``shape``.
 
         Each tile gets the wanted halo capped by the radius and by what the tile allows
-        (:func:`models.planner.auto_halo_rule`). The wanted halo is the one calibrated on
+        (:func:`models.planning.planner.auto_halo_rule`). The wanted halo is the one calibrated on
         ``sample`` (the preprocessed ``(C_in, *shape)`` image) for ``tile``: the smallest within
         the tolerance, else the largest the calibration could try (about half the tile; a larger
         tile grown for it keeps that halo rather than the whole radius, which would eat it again).
