@@ -83,7 +83,7 @@ __all__ = [
 ]
 
 NAME = "tissue-3d"
-SPEC_PATH = Path(__file__).parent / "builtin" / f"{NAME}.yaml"
+SPEC_PATH = Path(__file__).parents[1] / "builtin" / f"{NAME}.yaml"
 
 
 @dataclass(frozen=True)
