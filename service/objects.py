@@ -177,6 +177,7 @@ def write_geojson(
             nonlocal written
             value, area, pieces = objects.pop(root)
             geometry = pieces[0] if len(pieces) == 1 else shapely.union_all(pieces)
+            geometry = shapely.simplify(geometry, 0.0)  # drops collinear vertices only (lossless)
             fh.write(
                 ("\n" if written == 0 else ",\n")
                 + json.dumps(_feature(geometry, value, area, names, LABEL_PALETTE))

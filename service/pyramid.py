@@ -35,7 +35,7 @@ import numpy as np
 
 from service.paged import open_paged
 
-__all__ = ["PYRAMID_TILE", "mpp_from_info", "pyramid_shapes", "write_ome_tiff"]
+__all__ = ["PYRAMID_TILE", "mpp_from_info", "output_mpp", "pyramid_shapes", "write_ome_tiff"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,20 @@ def mpp_from_info(info: dict[str, Any]) -> tuple[float, float] | None:
     if dpi is not None and len(dpi) >= 2 and all(float(v) > 0 for v in dpi[:2]):
         return (25400.0 / float(dpi[1]), 25400.0 / float(dpi[0]))
     return None
+
+
+def output_mpp(
+    info: dict[str, Any], in_shape: tuple[int, ...], out_shape: tuple[int, ...]
+) -> tuple[float, float] | None:
+    """Microns per pixel ``(y, x)`` of an output of ``out_shape`` made from an input of ``in_shape``
+    (a model's ``scale`` changes the pixel size), or ``None`` when the input says none."""
+    mpp = mpp_from_info(info)
+    if mpp is None or len(in_shape) < 2 or len(out_shape) < 2:
+        return mpp
+    return (
+        mpp[0] * int(in_shape[-2]) / int(out_shape[-2]),
+        mpp[1] * int(in_shape[-1]) / int(out_shape[-1]),
+    )
 
 
 def _block_sum(values: np.ndarray) -> np.ndarray:

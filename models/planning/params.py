@@ -84,6 +84,10 @@ class OutputFormat(StrEnum):
     TIFF = "tiff"
     NPY = "npy"
     DICOM_SEG = "dicom-seg"
+    #: tiled pyramidal OME-TIFF (2D), :mod:`service.pyramid`
+    OME_TIFF = "ome.tiff"
+    #: one Feature per connected object of a 2D label output, :mod:`service.objects`
+    GEOJSON = "geojson"
 
     @property
     def suffix(self) -> str:
