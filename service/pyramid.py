@@ -121,6 +121,8 @@ class _Levels:
             else:
                 for c in range(self.channels):
                     self._mean(block[c], c, r0, c0)
+        for array in self.arrays:  # their pages go back to the page cache: RSS stays one band
+            array.drop()
 
     def _mode(self, block: np.ndarray, r0: int, c0: int) -> None:
         classes = np.unique(block)
@@ -160,6 +162,9 @@ def _tiles(array: np.ndarray, tile: int, on_band: Any = None, band: int = 0) -> 
                 if block.shape != (tile, tile):
                     block = np.pad(block, ((0, tile - block.shape[0]), (0, tile - block.shape[1])))
                 yield block
+            drop = getattr(array, "drop", None)  # a PagedMemmap: hand its read pages back
+            if callable(drop):
+                drop()
 
 
 def _ome_metadata(
@@ -219,7 +224,7 @@ def write_ome_tiff(
     channels, height, width = (int(n) for n in planes.shape)
     shapes = pyramid_shapes(height, width)
     tile = PYRAMID_TILE
-    axes = "YX" if array.ndim == 2 else "CYX"
+    axes = "YX" if channels == 1 else "CYX"
     nbytes = int(planes.dtype.itemsize) * channels * height * width
     bigtiff = nbytes * 4 // 3 >= _BIGTIFF_BYTES
     common: dict[str, Any] = {
@@ -227,8 +232,9 @@ def write_ome_tiff(
         "compression": "zlib",
         "photometric": "minisblack",
         "dtype": planes.dtype,
-        "resolutionunit": "CENTIMETER",
     }
+    if mpp is not None:  # else no resolution at all (tifffile's default 1 pixel per unit "none")
+        common["resolutionunit"] = "CENTIMETER"
 
     def resolution(k: int) -> tuple[float, float] | None:
         if mpp is None:
