@@ -77,28 +77,6 @@ class _Objects:
         return self.value[root], self.area.pop(root), self.pieces.pop(root)
 
 
-def _outlines(ids: np.ndarray, n: int, r0: int) -> list[Any]:
-    """The outline of each component ``1..n`` of ``ids`` (a slab starting at row ``r0``): the union
-    of its pixel runs as boxes."""
-    import shapely
-
-    rows, width = ids.shape
-    padded = np.zeros((rows, width + 2), ids.dtype)
-    padded[:, 1:-1] = ids
-    change = padded[:, 1:] != padded[:, :-1]
-    r, c = np.nonzero(change)  # run boundaries: a run of row r spans [c_i, c_{i+1})
-    starts_id = padded[r, c + 1]
-    keep = starts_id[:-1] != 0
-    # consecutive boundaries of the same row delimit runs
-    same_row = r[1:] == r[:-1]
-    sel = keep & same_row
-    run_row, run_start, run_stop, run_id = r[:-1][sel], c[:-1][sel], c[1:][sel], starts_id[:-1][sel]
-    order = np.argsort(run_id, kind="stable")
-    boxes = shapely.box(run_start[order], r0 + run_row[order], run_stop[order], r0 + run_row[order] + 1)
-    bounds = np.searchsorted(run_id[order], np.arange(1, n + 2))
-    return [shapely.union_all(boxes[bounds[i] : bounds[i + 1]]) for i in range(n)]
-
-
 def _integers(value: Any) -> Any:
     """GeoJSON coordinates as integers (pixel corners are whole numbers)."""
     if isinstance(value, (list, tuple)):
@@ -156,6 +134,7 @@ def write_geojson(
     from skimage.measure import label as connected
 
     from service.codecs.image_encode import LABEL_PALETTE
+    from service.outlines import component_outlines
 
     if labels.ndim != 2:
         raise ValueError(f"objects need a 2D label image; got shape {labels.shape}")
@@ -176,8 +155,10 @@ def write_geojson(
         def emit(root: int) -> None:
             nonlocal written
             value, area, pieces = objects.pop(root)
-            geometry = pieces[0] if len(pieces) == 1 else shapely.union_all(pieces)
-            geometry = shapely.simplify(geometry, 0.0)  # drops collinear vertices only (lossless)
+            if len(pieces) > 1:  # joined across seams: drop the seams' collinear vertices (lossless)
+                geometry = shapely.simplify(shapely.union_all(pieces), 0.0)
+            else:
+                geometry = pieces[0]
             fh.write(
                 ("\n" if written == 0 else ",\n")
                 + json.dumps(_feature(geometry, value, area, names, LABEL_PALETTE))
@@ -191,7 +172,7 @@ def write_geojson(
                 areas = np.bincount(ids.ravel(), minlength=n + 1)
                 values = np.zeros(n + 1, np.int64)
                 values[ids.ravel()] = slab.ravel()
-                for i, piece in enumerate(_outlines(ids, n, r0), start=1):
+                for i, piece in enumerate(component_outlines(ids, n, areas, r0), start=1):
                     objects.add(offset + i, int(values[i]), int(areas[i]), piece)
                     active.add(offset + i)
                 first = np.where(ids[0] > 0, ids[0] + offset, 0)

@@ -156,9 +156,32 @@ def _objects_image() -> np.ndarray:
     return labels
 
 
-@pytest.mark.parametrize("slab_rows", [16, 31, 128])
-def test_geojson_objects_equal_connected_components(tmp_path: Path, slab_rows: int) -> None:
-    labels = _objects_image()
+def _noise_image() -> np.ndarray:
+    """Dense noise of two labels (45 % filled): corner touches, holes and islands everywhere."""
+    rng = np.random.default_rng(5)
+    filled = rng.random((157, 211)) < 0.45
+    return (filled * rng.integers(1, 3, filled.shape)).astype(np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("image", "slab_rows"),
+    [
+        pytest.param(_objects_image, 16, id="shapes-slab16"),
+        pytest.param(_objects_image, 31, id="shapes-slab31"),
+        pytest.param(_objects_image, 128, id="shapes-slab128"),
+        pytest.param(_noise_image, 23, id="noise-slab23"),
+    ],
+)
+def test_geojson_objects_equal_connected_components(
+    tmp_path: Path, image: Any, slab_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import service.outlines
+
+    def no_fallback(*args: Any) -> None:
+        raise AssertionError(f"the edge tracer gave an invalid outline: {args[1:]}")
+
+    monkeypatch.setattr(service.outlines, "_runs_union", no_fallback)  # the tracer alone is exact
+    labels = image()
     path = tmp_path / "objects.geojson"
     n = write_geojson(labels, path, names={1: "tumour", 2: "stroma"}, slab_rows=slab_rows)
     features = json.loads(path.read_text())["features"]
@@ -173,22 +196,25 @@ def test_geojson_objects_equal_connected_components(tmp_path: Path, slab_rows: i
         assert geometry.is_valid, shapely.is_valid_reason(geometry)
         props = feature["properties"]
         assert geometry.area == props["area"]
-        # rasterize back: every polygon's pixel centres (row + 0.5, col + 0.5) are the object
-        mask = np.zeros(labels.shape, bool)
+        # rasterize back (in the bounding box, one pixel of margin): the pixel centres
+        # (row + 0.5, col + 0.5) inside the polygon are the object's pixels
+        x0, y0, x1, y1 = (int(v) for v in geometry.bounds)
+        x0, y0 = max(x0 - 1, 0), max(y0 - 1, 0)
+        x1, y1 = min(x1 + 1, labels.shape[1]), min(y1 + 1, labels.shape[0])
+        mask = np.zeros((y1 - y0, x1 - x0), bool)
         parts = geometry.geoms if geometry.geom_type == "MultiPolygon" else [geometry]
         for part in parts:
-            x, y = np.asarray(part.exterior.coords).T
-            mask[draw_polygon(y - 0.5, x - 0.5, labels.shape)] ^= True
-            for hole in part.interiors:
-                hx, hy = np.asarray(hole.coords).T
-                mask[draw_polygon(hy - 0.5, hx - 0.5, labels.shape)] ^= True
-        ids = np.unique(components[mask])
-        assert ids.size == 1 and np.array_equal(mask, components == ids[0])
-        assert labels[mask][0] == props["label"]
+            for ring in (part.exterior, *part.interiors):
+                x, y = np.asarray(ring.coords).T
+                mask[draw_polygon(y - y0 - 0.5, x - x0 - 0.5, mask.shape)] ^= True
+        crop = components[y0:y1, x0:x1]
+        ids = np.unique(crop[mask])
+        assert ids.size == 1 and np.array_equal(mask, crop == ids[0])
+        assert int(mask.sum()) == props["area"] and labels[y0:y1, x0:x1][mask][0] == props["label"]
         name = {1: "tumour", 2: "stroma"}.get(props["label"], f"label {props['label']}")
         assert props["classification"]["name"] == name and len(props["classification"]["color"]) == 3
     holes = [f for f in features if any(len(p) > 1 for p in _polygons(f["geometry"]))]
-    assert holes, "the ring keeps its hole"
+    assert holes, "holes are kept"
 
 
 def _polygons(geometry: dict[str, Any]) -> list[Any]:
