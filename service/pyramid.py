@@ -89,8 +89,12 @@ def output_mpp(
 
 def _block_sum(values: np.ndarray) -> np.ndarray:
     """Sums over 2 x 2 blocks of the last two axes (the last block of an odd axis is 1 wide)."""
-    rows = np.add.reduceat(values, np.arange(0, values.shape[-2], 2), axis=-2)
-    return np.add.reduceat(rows, np.arange(0, values.shape[-1], 2), axis=-1)
+    *lead, rows, cols = values.shape
+    if rows % 2 or cols % 2:  # pad with zeros to even sides: a ragged block sums what it holds
+        padded = np.zeros((*lead, rows + rows % 2, cols + cols % 2), values.dtype)
+        padded[..., :rows, :cols] = values
+        values = padded
+    return values.reshape(*lead, values.shape[-2] // 2, 2, values.shape[-1] // 2, 2).sum(axis=(-3, -1))
 
 
 class _Levels:
@@ -136,10 +140,12 @@ class _Levels:
 
     def _mean(self, block: np.ndarray, channel: int, r0: int, c0: int) -> None:
         sums = block.astype(np.float64)
-        count = np.ones(block.shape, np.float64)
+        rows, cols = np.ones(block.shape[0]), np.ones(block.shape[1])  # pixels per block, per axis
         for k, array in enumerate(self.arrays, start=1):
-            sums, count = _block_sum(sums), _block_sum(count)
-            mean = sums / count
+            sums = _block_sum(sums)
+            rows = np.add.reduceat(rows, np.arange(0, rows.size, 2))
+            cols = np.add.reduceat(cols, np.arange(0, cols.size, 2))
+            mean = sums / np.outer(rows, cols)
             if self.dtype.kind in "ui":
                 mean = np.rint(mean)
             f = 2**k
