@@ -85,6 +85,7 @@ MEDIA_TYPES = {
     "dicom-seg": "application/dicom",
     "ome.tiff": "image/tiff",
     "geojson": "application/geo+json",
+    "ome.zarr": "application/zip",
 }
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from service.paged import open_paged
 
-__all__ = ["PYRAMID_TILE", "mpp_from_info", "output_mpp", "pyramid_shapes", "write_ome_tiff"]
+__all__ = ["PYRAMID_TILE", "PyramidLevels", "mpp_from_info", "output_mpp", "pyramid_shapes", "write_ome_tiff"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,14 @@ def _block_sum(values: np.ndarray) -> np.ndarray:
     return values.reshape(*lead, values.shape[-2] // 2, 2, values.shape[-1] // 2, 2).sum(axis=(-3, -1))
 
 
-class _Levels:
-    """Levels 1.. on disk, filled band by band from level 0 (see the module docstring)."""
+class PyramidLevels:
+    """Levels 1.. of ``level0`` ``(C, H, W)`` on disk (temporaries in ``workdir``), filled band by
+    band (:meth:`add_band`) from level 0 (see the module docstring).
+
+    Attributes:
+        arrays: level ``k`` at ``arrays[k - 1]``, ``(C, *shapes[k])``.
+        factor: the coarsest block's side in level-0 pixels; bands start at its multiples.
+    """
 
     def __init__(
         self, level0: np.ndarray, shapes: list[tuple[int, int]], labels: bool, workdir: Path
@@ -248,7 +254,7 @@ def write_ome_tiff(
         return (1e4 / (mpp[1] * 2**k), 1e4 / (mpp[0] * 2**k))  # pixels per cm, (x, y)
 
     with tempfile.TemporaryDirectory(prefix=".tilewise-pyramid-", dir=workdir or path.parent) as tmp:
-        levels = _Levels(planes, shapes, labels, Path(tmp))
+        levels = PyramidLevels(planes, shapes, labels, Path(tmp))
         band = max(tile, levels.factor)
         with tifffile.TiffWriter(path, bigtiff=bigtiff, ome=True) as tif:
             tif.write(

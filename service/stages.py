@@ -254,7 +254,7 @@ def prepare(
         to_uint8 = dtype == np.uint8 and not labels
         from service.pyramid import output_mpp
 
-        mpp = output_mpp(header.info, tuple(header.spatial_shape), out_shape)  # an ome.tiff's mpp
+        mpp = output_mpp(header.info, tuple(header.spatial_shape), out_shape)  # ome.tiff / ome.zarr
         target = open_output(fmt, path, workdir, out_shape, int(spec.out_channels), dtype, labels=labels,
                              nifti=nifti, dpi=header.info.get("dpi"), unit_to_uint8=to_uint8,
                              provenance=provenance, mpp=mpp)  # fmt: skip

@@ -15,6 +15,7 @@ writes for the same array (same header, layout and dtype), except TIFF, which is
   from it; BigTIFF when the data reach 4 GB (:data:`BIGTIFF_BYTES`), never a broken classic TIFF.
 - ``ome.tiff`` (2D): a raw temporary, then a pyramidal OME-TIFF (:mod:`service.pyramid`: level 0
   tile by tile, each coarser level reduced from level 0's finished bands in that same pass).
+- ``ome.zarr`` (2D): the same levels in a zip of a multiscale OME-Zarr group (:mod:`service.omezarr`).
 - ``geojson`` (2D labels): a raw temporary, then its objects joined across slabs
   (:mod:`service.objects`).
 
@@ -55,7 +56,7 @@ BIGTIFF_BYTES = 2**32 - 2**25
 TIFF_TILE = 256
 _COPY_CHUNK = 16 << 20
 #: Formats of 2D outputs only (``geojson``: of labels only).
-_TWO_D_FORMATS = ("ome.tiff", "geojson")
+_TWO_D_FORMATS = ("ome.tiff", "ome.zarr", "geojson")
 
 
 def why_not_streamed_output(fmt: str, spatial_dims: int) -> str | None:
@@ -85,8 +86,8 @@ def output_disk_bytes(fmt: str, spatial: tuple[int, ...], channels: int, dtype: 
     """Bytes of disk a streamed output needs at its largest: the data (uncompressed; a compressed
     output's temporary plus, at worst, as much again for the compressed file) plus headers."""
     data = math.prod(spatial) * channels * np.dtype(dtype).itemsize
-    compressed = fmt in ("nii.gz", "tiff", "ome.tiff", "geojson")
-    pyramid = data // 3 if fmt == "ome.tiff" else 0  # the coarser levels' temporaries
+    compressed = fmt in ("nii.gz", "tiff", "ome.tiff", "ome.zarr", "geojson")
+    pyramid = data // 3 if fmt in ("ome.tiff", "ome.zarr") else 0  # the coarser levels' temporaries
     return data * (2 if compressed else 1) + pyramid + (1 << 20)
 
 
@@ -117,11 +118,13 @@ class OutputTarget:
             _write_tiff(
                 self.array, self.path, dpi=self._tiff.get("dpi"), provenance=self._tiff.get("provenance")
             )
-        elif self.fmt == "ome.tiff":
+        elif self.fmt in ("ome.tiff", "ome.zarr"):
+            from service.omezarr import write_ome_zarr
             from service.pyramid import write_ome_tiff
 
+            write = write_ome_tiff if self.fmt == "ome.tiff" else write_ome_zarr
             options = {k: self._tiff.get(k) for k in ("labels", "mpp", "provenance")}
-            write_ome_tiff(self.array, self.path, workdir=self._temporary.parent, **options)
+            write(self.array, self.path, workdir=self._temporary.parent, **options)
         elif self.fmt == "geojson":
             from service.objects import write_geojson
 
@@ -162,7 +165,7 @@ def open_output(
     """Open the output of ``fmt`` at ``path`` for an engine output of ``spatial`` and ``channels``.
 
     Args:
-        fmt: ``nii``, ``nii.gz``, ``npy``, ``tiff``, ``ome.tiff`` or ``geojson`` (2D).
+        fmt: ``nii``, ``nii.gz``, ``npy``, ``tiff``, ``ome.tiff``, ``ome.zarr`` or ``geojson`` (2D).
         path: the output file.
         workdir: the request's folder (temporaries).
         spatial, channels, dtype: the output's spatial shape, channel count and dtype.
@@ -173,7 +176,7 @@ def open_output(
         unit_to_uint8: probabilities written as ``round(255 * p)`` (``output_dtype=uint8``).
         provenance: who made the output (:class:`service.provenance.Provenance`): NIfTI
             ``descrip`` and extension, TIFF ImageDescription, OME annotation; ``None``: not said.
-        mpp: microns per pixel ``(y, x)`` of the output, recorded in an ``ome.tiff``.
+        mpp: microns per pixel ``(y, x)`` of the output, recorded in an ``ome.tiff`` or ``ome.zarr``.
     """
     target = _open(fmt, path, workdir, spatial, channels, dtype, labels, nifti, dpi, provenance)
     target._tiff.update(mpp=mpp, labels=labels)
@@ -232,8 +235,8 @@ def check_output_dtype(fmt: str, params: Any, spec: Any = None) -> None:
 
     Raises:
         BadParameterError: ``float16`` for a NIfTI or OME-TIFF output (neither has a half-precision
-            type); ``ome.tiff`` or ``geojson`` for a model whose output is not 2D; ``geojson`` for
-            probabilities (objects are made from labels).
+            type); ``ome.tiff``, ``ome.zarr`` or ``geojson`` for a model whose output is not 2D;
+            ``geojson`` for probabilities (objects are made from labels).
     """
     from service.errors import BadParameterError
 

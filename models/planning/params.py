@@ -88,10 +88,15 @@ class OutputFormat(StrEnum):
     OME_TIFF = "ome.tiff"
     #: one Feature per connected object of a 2D label output, :mod:`service.objects`
     GEOJSON = "geojson"
+    #: zip of a multiscale OME-Zarr group (2D), :mod:`service.omezarr`
+    OME_ZARR = "ome.zarr"
 
     @property
     def suffix(self) -> str:
-        """``".nii.gz"`` for ``nii.gz`` and so on; ``".dcm"`` for ``dicom-seg``."""
+        """``".nii.gz"`` for ``nii.gz`` and so on; ``".dcm"`` for ``dicom-seg``, ``".ome.zarr.zip"``
+        for ``ome.zarr``."""
+        if self is OutputFormat.OME_ZARR:
+            return ".ome.zarr.zip"
         return ".dcm" if self is OutputFormat.DICOM_SEG else "." + self.value
 
 

@@ -32,6 +32,7 @@ _CONTENT_TYPE_FORMATS = {
     "application/x-npy": "npy",
     "application/octet-stream+npy": "npy",
     "application/geo+json": "geojson",
+    "application/zip": "ome.zarr",
 }
 NOT_SENT = "interrupted before it was sent"
 ABORTED = "interrupted while in flight: aborted, nothing written"

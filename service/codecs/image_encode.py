@@ -21,6 +21,7 @@ __all__ = [
     "encode_geojson",
     "encode_npy",
     "encode_ome_tiff",
+    "encode_ome_zarr",
     "encode_png",
     "encode_tiff",
     "label_image",
@@ -167,6 +168,15 @@ def encode_ome_tiff(volume: DecodedVolume, array: np.ndarray, path: Path, proven
 
     data, labels = _output_2d(volume, array, "ome.tiff")
     write_ome_tiff(data, path, labels=labels, mpp=mpp_from_info(volume.info), provenance=provenance)
+
+
+def encode_ome_zarr(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
+    """Write a 2D output as a zip of a multiscale OME-Zarr group (:func:`service.omezarr.write_ome_zarr`)."""
+    from service.omezarr import write_ome_zarr
+    from service.pyramid import mpp_from_info
+
+    data, labels = _output_2d(volume, array, "ome.zarr")
+    write_ome_zarr(data, path, labels=labels, mpp=mpp_from_info(volume.info), provenance=provenance)
 
 
 def encode_geojson(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:

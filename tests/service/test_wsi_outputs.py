@@ -311,3 +311,56 @@ def test_http_and_jobs_answer_ome_tiff_and_geojson(tmp_path: Path, make_settings
             assert answer.status_code == 400, why
             assert answer.json()["detail"].startswith(("format=", "output_dtype=")), answer.json()
         assert client.post("/v1/jobs?model=gaussian-2d&format=geojson", content=body).status_code == 400
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float16], ids=["labels-uint8", "probabilities-float16"])
+def test_ome_zarr_holds_the_same_levels_in_a_zip(tmp_path: Path, dtype: Any) -> None:
+    """``format=ome.zarr``: zarr reads the zip back; level k is the OME-TIFF's level k (float16
+    too, which OME-TIFF cannot hold, against block_reduce); each level's scale is mpp * 2**k."""
+    import zarr
+    from zarr.storage import ZipStore
+
+    from service.omezarr import write_ome_zarr
+
+    rng = np.random.default_rng(4)
+    labels = dtype == np.uint8
+    array = (
+        rng.integers(0, 3, (389, 601)).astype(dtype) if labels else rng.random((2, 389, 601)).astype(dtype)
+    )
+    path = tmp_path / "out.ome.zarr.zip"
+    shapes = write_ome_zarr(array, path, labels=labels, mpp=(0.5, 0.25))
+    group = zarr.open_group(ZipStore(path, mode="r"), mode="r")
+    attrs = dict(group.attrs)
+    datasets = attrs["multiscales"][0]["datasets"]
+    assert [d["coordinateTransformations"][0]["scale"] for d in datasets] == [
+        [1.0, 0.5 * 2**k, 0.25 * 2**k] for k in range(len(shapes))
+    ]
+    assert len(shapes) == 3 and ("image-label" in attrs) == labels
+    got = [np.asarray(group[str(k)][:]) for k in range(len(shapes))]
+    planes = array[None] if labels else array
+    assert np.array_equal(got[0], planes)
+    if labels:
+        write_ome_tiff(array, tmp_path / "same.ome.tiff", labels=True)
+        assert all(
+            np.array_equal(g[0], t) for g, t in zip(got, _levels(tmp_path / "same.ome.tiff"), strict=True)
+        )
+        assert np.array_equal(got[1][0], _mode_oracle(array, 2))
+    else:
+        for k in (1, 2):  # float16 rounding of the mean: half a unit in the last place (values < 1)
+            want = np.stack([_mean_oracle(c, 2**k) for c in array])
+            assert float(np.abs(got[k] - want).max()) <= 2**-11
+
+
+def test_cli_writes_ome_zarr(tmp_path: Path) -> None:
+    from service.cli import main
+
+    source = tmp_path / "discs.tif"
+    _discs_tiff(source)
+    target = tmp_path / "out.ome.zarr.zip"
+    assert main(["infer", str(source), str(target), "--model", "gaussian-2d", "--device", "cpu"]) == 0
+    import zarr
+    from zarr.storage import ZipStore
+
+    group = zarr.open_group(ZipStore(target, mode="r"), mode="r")
+    assert group["0"].shape == (1, 431, 523) and group["2"].shape == (1, 108, 131)
+    assert dict(group.attrs)["tilewise"]["model"] == "gaussian-2d"
