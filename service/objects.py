@@ -9,16 +9,18 @@ of its pixels in level-0 pixel coordinates: pixel ``(row, col)`` is the square `
 ``objectType`` (``annotation``), ``classification`` (``{"name", "color": [r, g, b]}``, as QuPath
 reads it: the spec's label name, the label PNG's colour), ``label`` (the id) and ``area`` (pixels).
 
-Streamed in slabs of :data:`SLAB_ROWS` rows, so objects are joined wherever they are cut::
+Streamed in slabs of :data:`SLAB_ROWS` rows (fewer for images wider than 32,768 pixels), so
+objects are joined wherever they are cut::
 
     slab s-1  ...  a a . b b      each slab: skimage.measure.label (8-connected, same value),
-    --------------------------    its components' outlines (union of their pixel runs);
+    --------------------------    its components' outlines (:mod:`service.outlines`);
     slab s    ...  . a a . b      the seam: previous last row x this first row (dx = -1, 0, 1),
                                   equal labels -> union-find joins the components;
 
 a component whose joined object reaches no further (nothing of it on the slab's last row) is
-closed: its pieces are united (shapely) and the Feature written. Memory: one slab (labels and
-int32 component ids, ``SLAB_ROWS x W``), plus the outlines of the objects still open.
+closed: its pieces are united (shapely) and the Feature written. Memory: one slab's temporaries
+(at most :data:`SLAB_PIXELS` pixels, some 30 bytes each), plus the outlines of the objects still
+open.
 
 The FeatureCollection carries the provenance as a foreign member ``tilewise``.
 """
@@ -32,12 +34,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SLAB_ROWS", "write_geojson"]
+__all__ = ["SLAB_PIXELS", "SLAB_ROWS", "write_geojson"]
 
 logger = logging.getLogger(__name__)
 
-#: Rows of the label image read and labelled at a time.
+#: Rows of the label image read and labelled at a time, at most ...
 SLAB_ROWS = 128
+#: ... and pixels per slab at most (a slab's temporaries are some 30 bytes a pixel).
+SLAB_PIXELS = 1 << 21
 
 
 class _Objects:
@@ -112,7 +116,7 @@ def write_geojson(
     *,
     names: dict[int, str] | None = None,
     provenance: Any = None,
-    slab_rows: int = SLAB_ROWS,
+    slab_rows: int | None = None,
 ) -> int:
     """Write the objects of ``labels`` as a GeoJSON FeatureCollection (see the module docstring).
 
@@ -122,7 +126,8 @@ def write_geojson(
         path: the output file.
         names: label id -> name (the spec's ``labels``); other ids are named ``label N``.
         provenance: a :class:`service.provenance.Provenance` or ``None``.
-        slab_rows: rows per slab (any value gives the same objects).
+        slab_rows: rows per slab (any value gives the same objects); default
+            ``min(SLAB_ROWS, SLAB_PIXELS // W)``, at least 8.
 
     Returns:
         The number of objects (Features) written.
@@ -140,6 +145,8 @@ def write_geojson(
         raise ValueError(f"objects need a 2D label image; got shape {labels.shape}")
     names = {int(k): str(v) for k, v in (names or {}).items()}
     height, width = (int(n) for n in labels.shape)
+    if slab_rows is None:
+        slab_rows = max(8, min(SLAB_ROWS, SLAB_PIXELS // max(width, 1)))
     objects = _Objects()
     active: set[int] = set()
     last_ids = np.zeros(width, np.int64)
@@ -166,7 +173,7 @@ def write_geojson(
             written += 1
 
         for r0 in range(0, height, slab_rows):
-            slab = np.asarray(labels[r0 : r0 + slab_rows]).astype(np.int64, copy=False)
+            slab = np.asarray(labels[r0 : r0 + slab_rows])
             ids, n = connected(slab, background=0, connectivity=2, return_num=True)
             if n:
                 areas = np.bincount(ids.ravel(), minlength=n + 1)
@@ -183,7 +190,7 @@ def write_geojson(
                     for pair in np.unique(np.stack([a[joined], b[joined]], 1), axis=0):
                         objects.union(int(pair[0]), int(pair[1]))
             last_ids = np.where(ids[-1] > 0, ids[-1] + offset, 0)
-            last_values = slab[-1]
+            last_values = slab[-1].astype(np.int64)
             offset += n
             still_open = {objects.find(int(g)) for g in np.unique(last_ids) if g}
             for root in sorted({objects.find(g) for g in active} - still_open):
