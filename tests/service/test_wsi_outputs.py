@@ -255,6 +255,10 @@ def test_cli_writes_geojson_and_ome_tiff_of_a_label_model(tmp_path: Path) -> Non
     levels = _levels(tmp_path / "out.ome.tiff")
     assert len(levels) == 3 and np.array_equal(levels[0], labels)
     assert np.array_equal(levels[1], _mode_oracle(labels, 2))
+    png = tmp_path / "discs.png"  # decoded whole: encode writes the same objects
+    Image.fromarray(image).save(png)
+    assert main(["infer", str(png), str(tmp_path / "whole.geojson"), *common]) == 0
+    assert json.loads((tmp_path / "whole.geojson").read_text())["features"] == features
 
 
 def test_http_and_jobs_answer_ome_tiff_and_geojson(tmp_path: Path, make_settings: Any) -> None:
