@@ -79,7 +79,8 @@ def _successors(
         second = order[lo[two] + 1]
         right = (dirs[two] + 1) % 4
         nxt[two] = np.where(dirs[second] == right, second, nxt[two])
-    return nxt.tolist()
+    successors: list[int] = nxt.tolist()
+    return successors
 
 
 def _split(vertices: list[int]) -> list[list[int]]:

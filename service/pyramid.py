@@ -64,7 +64,8 @@ def mpp_from_info(info: dict[str, Any]) -> tuple[float, float] | None:
     else ``dpi`` (Pillow's ``(x, y)`` dots per inch); ``None`` when neither is there or plausible."""
     mpp = info.get("mpp")
     if mpp is not None:
-        pair = (float(mpp), float(mpp)) if np.isscalar(mpp) else tuple(float(v) for v in mpp)[-2:]
+        values = [mpp, mpp] if isinstance(mpp, (int, float, np.number)) else list(mpp)
+        pair = tuple(float(v) for v in values)[-2:]
         if all(math.isfinite(v) and v > 0 for v in pair):
             return (pair[0], pair[1])
     dpi = info.get("dpi")
@@ -94,7 +95,9 @@ def _block_sum(values: np.ndarray) -> np.ndarray:
         padded = np.zeros((*lead, rows + rows % 2, cols + cols % 2), values.dtype)
         padded[..., :rows, :cols] = values
         values = padded
-    return values.reshape(*lead, values.shape[-2] // 2, 2, values.shape[-1] // 2, 2).sum(axis=(-3, -1))
+    blocks = values.reshape(*lead, values.shape[-2] // 2, 2, values.shape[-1] // 2, 2)
+    summed: np.ndarray = blocks.sum(axis=(-3, -1))
+    return summed
 
 
 class PyramidLevels:
