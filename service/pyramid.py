@@ -95,8 +95,8 @@ def _block_sum(values: np.ndarray) -> np.ndarray:
         padded = np.zeros((*lead, rows + rows % 2, cols + cols % 2), values.dtype)
         padded[..., :rows, :cols] = values
         values = padded
-    blocks = values.reshape(*lead, values.shape[-2] // 2, 2, values.shape[-1] // 2, 2)
-    summed: np.ndarray = blocks.sum(axis=(-3, -1))
+    rows = values[..., 0::2, :] + values[..., 1::2, :]  # strided adds: faster than a reshaped sum
+    summed: np.ndarray = rows[..., 0::2] + rows[..., 1::2]
     return summed
 
 
@@ -138,7 +138,10 @@ class PyramidLevels:
             array.drop()
 
     def _mode(self, block: np.ndarray, r0: int, c0: int) -> None:
-        classes = np.unique(block)
+        small = block.dtype.kind == "u" and block.dtype.itemsize <= 2  # counting beats sorting
+        classes = (
+            np.flatnonzero(np.bincount(block.ravel())).astype(block.dtype) if small else np.unique(block)
+        )
         counts = (block[None] == classes[:, None, None]).astype(np.int32)
         for k, array in enumerate(self.arrays, start=1):
             counts = _block_sum(counts)
