@@ -103,16 +103,18 @@ def _split(vertices: list[int]) -> list[list[int]]:
 
 
 def _area2(xy: np.ndarray) -> int:
+    """Twice the signed (shoelace) area of a closed ring given without its closing vertex."""
     x, y = xy[:, 0], xy[:, 1]
-    return int(np.dot(x, np.roll(y, -1)) - np.dot(np.roll(x, -1), y))
+    return int(np.dot(x[:-1], y[1:]) - np.dot(x[1:], y[:-1]) + x[-1] * y[0] - x[0] * y[-1])
 
 
 def _polygon(rings: list[np.ndarray]) -> Any:
     """Polygon or MultiPolygon from simple rings (outer ones positive, holes negative)."""
     import shapely
 
-    shells = [r for r in rings if _area2(r) > 0]
-    holes = [r for r in rings if _area2(r) < 0]
+    signs = [_area2(r) for r in rings]
+    shells = [r for r, a in zip(rings, signs, strict=True) if a > 0]
+    holes = [r for r, a in zip(rings, signs, strict=True) if a < 0]
     if len(shells) == 1:
         return shapely.Polygon(shells[0], holes)
     polygons = [shapely.Polygon(s) for s in shells]
