@@ -90,9 +90,13 @@ def _integers(value: Any) -> Any:
     return value
 
 
-def _feature(geometry: Any, value: int, area: int, names: dict[int, str], colours: Any) -> dict[str, Any]:
+def _feature(
+    geometry: Any, value: int, area: int, names: dict[int, str], colours: Any, scale: tuple[float, float]
+) -> dict[str, Any]:
     import shapely
 
+    if scale != (1.0, 1.0):  # output pixels to level-0 (input) pixels: x by scale[1], y by scale[0]
+        geometry = shapely.transform(geometry, lambda xy: xy * np.array([scale[1], scale[0]]))
     if hasattr(shapely, "orient_polygons"):  # RFC 7946: exteriors counter-clockwise
         geometry = shapely.orient_polygons(geometry)
     return {
@@ -105,7 +109,7 @@ def _feature(geometry: Any, value: int, area: int, names: dict[int, str], colour
                 "color": list(colours[value % len(colours)]),
             },
             "label": int(value),
-            "area": int(area),
+            "area": _integers(float(area * scale[0] * scale[1])),
         },
     }
 
@@ -117,6 +121,7 @@ def write_geojson(
     names: dict[int, str] | None = None,
     provenance: Any = None,
     slab_rows: int | None = None,
+    scale: tuple[float, float] = (1.0, 1.0),
 ) -> int:
     """Write the objects of ``labels`` as a GeoJSON FeatureCollection (see the module docstring).
 
@@ -128,6 +133,9 @@ def write_geojson(
         provenance: a :class:`service.provenance.Provenance` or ``None``.
         slab_rows: rows per slab (any value gives the same objects); default
             ``min(SLAB_ROWS, SLAB_PIXELS // W)``, at least 8.
+        scale: level-0 pixels per pixel of ``labels`` ``(y, x)``, when the labels are coarser than
+            the input (a slide read at a level or an mpp): coordinates and ``area`` are multiplied
+            so that they stay in level-0 pixels.
 
     Returns:
         The number of objects (Features) written.
@@ -168,7 +176,7 @@ def write_geojson(
                 geometry = pieces[0]
             fh.write(
                 ("\n" if written == 0 else ",\n")
-                + json.dumps(_feature(geometry, value, area, names, LABEL_PALETTE))
+                + json.dumps(_feature(geometry, value, area, names, LABEL_PALETTE, scale))
             )
             written += 1
 

@@ -130,7 +130,8 @@ class OutputTarget:
 
             provenance = self._tiff.get("provenance")
             names = None if provenance is None else provenance.labels
-            write_geojson(self.array, self.path, names=names, provenance=provenance)
+            scale = self._tiff.get("scale") or (1.0, 1.0)
+            write_geojson(self.array, self.path, names=names, provenance=provenance, scale=scale)
         self.close()
         return self.path
 
@@ -161,6 +162,7 @@ def open_output(
     unit_to_uint8: bool = False,
     provenance: Any = None,
     mpp: tuple[float, float] | None = None,
+    scale: tuple[float, float] | None = None,
 ) -> OutputTarget:
     """Open the output of ``fmt`` at ``path`` for an engine output of ``spatial`` and ``channels``.
 
@@ -177,9 +179,11 @@ def open_output(
         provenance: who made the output (:class:`service.provenance.Provenance`): NIfTI
             ``descrip`` and extension, TIFF ImageDescription, OME annotation; ``None``: not said.
         mpp: microns per pixel ``(y, x)`` of the output, recorded in an ``ome.tiff`` or ``ome.zarr``.
+        scale: input (level-0) pixels per output pixel ``(y, x)``: ``geojson`` coordinates are
+            given in input pixels.
     """
     target = _open(fmt, path, workdir, spatial, channels, dtype, labels, nifti, dpi, provenance)
-    target._tiff.update(mpp=mpp, labels=labels)
+    target._tiff.update(mpp=mpp, labels=labels, scale=scale)
     target._root._unit_to_uint8 = unit_to_uint8
     target.array._unit_to_uint8 = unit_to_uint8
     return target

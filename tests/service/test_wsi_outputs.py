@@ -368,3 +368,18 @@ def test_cli_writes_ome_zarr(tmp_path: Path) -> None:
     group = zarr.open_group(ZipStore(target, mode="r"), mode="r")
     assert group["0"].shape == (1, 431, 523) and group["2"].shape == (1, 108, 131)
     assert dict(group.attrs)["tilewise"]["model"] == "gaussian-2d"
+
+
+def test_geojson_coordinates_are_level0_pixels_for_a_coarser_output(tmp_path: Path) -> None:
+    """A label image read at level 1 (half size): ``scale=(2, 2)`` gives the objects of the same
+    labels at level 0 (each pixel a 2 x 2 block, ``np.kron``): same shapes, areas in level-0 pixels."""
+    labels = _objects_image()[:101, :157]
+    write_geojson(labels, tmp_path / "coarse.geojson", scale=(2.0, 2.0), slab_rows=19)
+    write_geojson(np.kron(labels, np.ones((2, 2), np.uint8)), tmp_path / "fine.geojson", slab_rows=64)
+    coarse, fine = (
+        json.loads((tmp_path / f"{n}.geojson").read_text())["features"] for n in ("coarse", "fine")
+    )
+    key = lambda f: (f["properties"]["label"], f["properties"]["area"], shape(f["geometry"]).bounds)  # noqa: E731
+    coarse, fine = sorted(coarse, key=key), sorted(fine, key=key)
+    assert [key(f) for f in coarse] == [key(f) for f in fine]
+    assert all(shape(a["geometry"]).equals(shape(b["geometry"])) for a, b in zip(coarse, fine, strict=True))
