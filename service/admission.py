@@ -71,7 +71,7 @@ def check_request(spec: Any, params: InferenceParams) -> None:
     defaults = getattr(spec, "defaults", None)  # a stand-in repository's spec may have none
     fmt = params.format or (defaults.format if defaults is not None else None)
     if fmt is not None:
-        check_output_dtype(str(fmt), params)
+        check_output_dtype(str(fmt), params, spec)
     if fmt is not None and str(fmt) == "png" and int(spec.spatial_dims) != 2:
         raise BadParameterError(
             f"format=png needs a 2D output; model {spec.name!r} is 3D (use nii.gz or tiff)"

@@ -83,6 +83,9 @@ MEDIA_TYPES = {
     "tiff": "image/tiff",
     "npy": "application/octet-stream",
     "dicom-seg": "application/dicom",
+    "ome.tiff": "image/tiff",
+    "geojson": "application/geo+json",
+    "ome.zarr": "application/zip",
 }
 
 
@@ -295,7 +298,7 @@ def run_file(
         from service.writers import check_output_dtype
 
         header = check_input(spec, source, limits, params)
-        check_output_dtype(output_format(header.kind, spec, params), params)
+        check_output_dtype(output_format(header.kind, spec, params), params, spec)
     volume = decode(
         source,
         max_voxels=limits.max_voxels,
@@ -397,7 +400,7 @@ def prepare_file(
     streams = streamed_check(model, source, params)
     header = check_input(spec, source, limits, params, streamed=streams)
     fmt = output_format(header.kind, spec, params)
-    check_output_dtype(fmt, params)
+    check_output_dtype(fmt, params, spec)
     if not streams(header):
         return None
     path = target_stem.with_name(target_stem.name + OUTPUT_FORMATS[fmt])

@@ -165,7 +165,7 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
     from service.stages import output_format
     from service.writers import check_output_dtype
 
-    check_output_dtype(output_format(header.kind, spec, params), params)
+    check_output_dtype(output_format(header.kind, spec, params), params, spec)
     if streams(header):  # read by region: no input held, the disk holds the output
         from service.sniff import sniff
         from service.stages import check_disk, disk_bytes, output_format

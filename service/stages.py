@@ -252,9 +252,15 @@ def prepare(
 
         provenance = provenance_of(spec, plan.header(), output_kind)  # DESIGN "third wave"
         to_uint8 = dtype == np.uint8 and not labels
+        from service.pyramid import output_mpp
+
+        mpp = output_mpp(header.info, tuple(header.spatial_shape), out_shape)  # ome.tiff / ome.zarr
+        scale = tuple(
+            float(i) / float(o) for i, o in zip(header.spatial_shape[-2:], out_shape[-2:], strict=True)
+        )
         target = open_output(fmt, path, workdir, out_shape, int(spec.out_channels), dtype, labels=labels,
                              nifti=nifti, dpi=header.info.get("dpi"), unit_to_uint8=to_uint8,
-                             provenance=provenance)  # fmt: skip
+                             provenance=provenance, mpp=mpp, scale=scale)  # fmt: skip
         prepared = Prepared(model, header, params, fmt, output_kind, plan, x, target, workdir, seam, started,
                             _tmp=tmp)  # fmt: skip
         if checkpoint is not None:

@@ -13,6 +13,11 @@ writes for the same array (same header, layout and dtype), except TIFF, which is
 - ``npy``: the ``.npy`` file itself, memory-mapped.
 - ``tiff`` (2D): a raw temporary, then a tiled (256 x 256) zlib-compressed TIFF written tile by tile
   from it; BigTIFF when the data reach 4 GB (:data:`BIGTIFF_BYTES`), never a broken classic TIFF.
+- ``ome.tiff`` (2D): a raw temporary, then a pyramidal OME-TIFF (:mod:`service.pyramid`: level 0
+  tile by tile, each coarser level reduced from level 0's finished bands in that same pass).
+- ``ome.zarr`` (2D): the same levels in a zip of a multiscale OME-Zarr group (:mod:`service.omezarr`).
+- ``geojson`` (2D labels): a raw temporary, then its objects joined across slabs
+  (:mod:`service.objects`).
 
 ``png`` and 3D ``tiff`` outputs are not streamed (:func:`why_not_streamed_output`).
 :func:`output_disk_bytes` is what a streamed output needs on disk (the dry run's ``disk_bytes``).
@@ -50,6 +55,8 @@ BIGTIFF_BYTES = 2**32 - 2**25
 #: Tile edge of a streamed TIFF (pixels).
 TIFF_TILE = 256
 _COPY_CHUNK = 16 << 20
+#: Formats of 2D outputs only (``geojson``: of labels only).
+_TWO_D_FORMATS = ("ome.tiff", "ome.zarr", "geojson")
 
 
 def why_not_streamed_output(fmt: str, spatial_dims: int) -> str | None:
@@ -58,6 +65,8 @@ def why_not_streamed_output(fmt: str, spatial_dims: int) -> str | None:
         return "PNG is one compressed stream of whole rows: it is encoded from the whole output"
     if fmt == "tiff" and spatial_dims != 2:
         return "a 3D TIFF output is encoded whole"
+    if fmt in _TWO_D_FORMATS and spatial_dims != 2:  # pragma: no cover - refused by check_output_dtype
+        return f"a {fmt} output is 2D only"
     return None
 
 
@@ -77,8 +86,9 @@ def output_disk_bytes(fmt: str, spatial: tuple[int, ...], channels: int, dtype: 
     """Bytes of disk a streamed output needs at its largest: the data (uncompressed; a compressed
     output's temporary plus, at worst, as much again for the compressed file) plus headers."""
     data = math.prod(spatial) * channels * np.dtype(dtype).itemsize
-    compressed = fmt in ("nii.gz", "tiff")
-    return data * (2 if compressed else 1) + (1 << 20)
+    compressed = fmt in ("nii.gz", "tiff", "ome.tiff", "ome.zarr", "geojson")
+    pyramid = data // 3 if fmt in ("ome.tiff", "ome.zarr") else 0  # the coarser levels' temporaries
+    return data * (2 if compressed else 1) + pyramid + (1 << 20)
 
 
 @dataclass
@@ -105,7 +115,23 @@ class OutputTarget:
             assert self._temporary is not None
             _gzip(self._temporary, self.path)
         elif self.fmt == "tiff":
-            _write_tiff(self.array, self.path, **self._tiff)
+            _write_tiff(
+                self.array, self.path, dpi=self._tiff.get("dpi"), provenance=self._tiff.get("provenance")
+            )
+        elif self.fmt in ("ome.tiff", "ome.zarr"):
+            from service.omezarr import write_ome_zarr
+            from service.pyramid import write_ome_tiff
+
+            write = write_ome_tiff if self.fmt == "ome.tiff" else write_ome_zarr
+            options = {k: self._tiff.get(k) for k in ("labels", "mpp", "provenance")}
+            write(self.array, self.path, workdir=self._temporary.parent, **options)
+        elif self.fmt == "geojson":
+            from service.objects import write_geojson
+
+            provenance = self._tiff.get("provenance")
+            names = None if provenance is None else provenance.labels
+            scale = self._tiff.get("scale") or (1.0, 1.0)
+            write_geojson(self.array, self.path, names=names, provenance=provenance, scale=scale)
         self.close()
         return self.path
 
@@ -135,11 +161,13 @@ def open_output(
     dpi: Any = None,
     unit_to_uint8: bool = False,
     provenance: Any = None,
+    mpp: tuple[float, float] | None = None,
+    scale: tuple[float, float] | None = None,
 ) -> OutputTarget:
     """Open the output of ``fmt`` at ``path`` for an engine output of ``spatial`` and ``channels``.
 
     Args:
-        fmt: ``nii``, ``nii.gz``, ``npy`` or ``tiff`` (2D).
+        fmt: ``nii``, ``nii.gz``, ``npy``, ``tiff``, ``ome.tiff``, ``ome.zarr`` or ``geojson`` (2D).
         path: the output file.
         workdir: the request's folder (temporaries).
         spatial, channels, dtype: the output's spatial shape, channel count and dtype.
@@ -149,9 +177,13 @@ def open_output(
         dpi: a TIFF's resolution (from the input), or ``None``.
         unit_to_uint8: probabilities written as ``round(255 * p)`` (``output_dtype=uint8``).
         provenance: who made the output (:class:`service.provenance.Provenance`): NIfTI
-            ``descrip`` and extension, TIFF ImageDescription; ``None``: not said.
+            ``descrip`` and extension, TIFF ImageDescription, OME annotation; ``None``: not said.
+        mpp: microns per pixel ``(y, x)`` of the output, recorded in an ``ome.tiff`` or ``ome.zarr``.
+        scale: input (level-0) pixels per output pixel ``(y, x)``: ``geojson`` coordinates are
+            given in input pixels.
     """
     target = _open(fmt, path, workdir, spatial, channels, dtype, labels, nifti, dpi, provenance)
+    target._tiff.update(mpp=mpp, labels=labels, scale=scale)
     target._root._unit_to_uint8 = unit_to_uint8
     target.array._unit_to_uint8 = unit_to_uint8
     return target
@@ -182,7 +214,7 @@ def _open(
         del npy
         root = open_paged(path, dtype, shape, mode="r+", offset=offset)
         return OutputTarget(root, path, fmt, root)
-    if fmt == "tiff":
+    if fmt in ("tiff", *_TWO_D_FORMATS):
         raw = workdir / "output-raw.bin"
         shape = spatial if labels else (channels, *spatial)
         root = open_paged(raw, dtype, shape, mode="w+")
@@ -201,18 +233,38 @@ def output_dtype(params: Any, labels: bool, n_classes: int = 256) -> np.dtype[An
     return np.dtype(str(params.output_dtype or "float32"))
 
 
-def check_output_dtype(fmt: str, params: Any) -> None:
-    """Refuse an ``output_dtype`` that the format cannot store.
+def check_output_dtype(fmt: str, params: Any, spec: Any = None) -> None:
+    """Refuse an ``output_dtype`` that the format cannot store and, given the model's ``spec``, an
+    output the format cannot hold.
 
     Raises:
-        BadParameterError: ``float16`` for a NIfTI output (NIfTI has no half-precision type).
+        BadParameterError: ``float16`` for a NIfTI or OME-TIFF output (neither has a half-precision
+            type); ``ome.tiff``, ``ome.zarr`` or ``geojson`` for a model whose output is not 2D;
+            ``geojson`` for probabilities (objects are made from labels).
     """
     from service.errors import BadParameterError
 
-    if str(params.output_dtype or "") == "float16" and fmt in ("nii", "nii.gz"):
+    if str(params.output_dtype or "") == "float16" and fmt in ("nii", "nii.gz", "ome.tiff"):
+        kind = (
+            "OME-TIFF (OME has no half-precision pixel type)"
+            if fmt == "ome.tiff"
+            else "NIfTI (no half-precision type)"
+        )
         raise BadParameterError(
-            "output_dtype=float16 cannot be stored in NIfTI (no half-precision type): use "
-            "format=tiff or npy, or output_dtype=uint8"
+            f"output_dtype=float16 cannot be stored in {kind}: use format=tiff or npy, or output_dtype=uint8"
+        )
+    if spec is None or fmt not in _TWO_D_FORMATS:
+        return
+    if int(spec.spatial_dims) != 2:
+        raise BadParameterError(
+            f"format={fmt} needs a 2D output; model {spec.name!r} is 3D (use nii.gz or tiff)"
+        )
+    defaults = getattr(spec, "defaults", None)
+    output = str(params.output or (defaults.output if defaults is not None else "probabilities"))
+    if fmt == "geojson" and output != "labels":
+        raise BadParameterError(
+            "format=geojson writes objects of a label output; this request's output is "
+            f"{output} (add output=labels, or use format=ome.tiff or tiff)"
         )
 
 

@@ -84,10 +84,19 @@ class OutputFormat(StrEnum):
     TIFF = "tiff"
     NPY = "npy"
     DICOM_SEG = "dicom-seg"
+    #: tiled pyramidal OME-TIFF (2D), :mod:`service.pyramid`
+    OME_TIFF = "ome.tiff"
+    #: one Feature per connected object of a 2D label output, :mod:`service.objects`
+    GEOJSON = "geojson"
+    #: zip of a multiscale OME-Zarr group (2D), :mod:`service.omezarr`
+    OME_ZARR = "ome.zarr"
 
     @property
     def suffix(self) -> str:
-        """``".nii.gz"`` for ``nii.gz`` and so on; ``".dcm"`` for ``dicom-seg``."""
+        """``".nii.gz"`` for ``nii.gz`` and so on; ``".dcm"`` for ``dicom-seg``, ``".ome.zarr.zip"``
+        for ``ome.zarr``."""
+        if self is OutputFormat.OME_ZARR:
+            return ".ome.zarr.zip"
         return ".dcm" if self is OutputFormat.DICOM_SEG else "." + self.value
 
 

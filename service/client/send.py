@@ -31,6 +31,8 @@ _CONTENT_TYPE_FORMATS = {
     "image/tiff": "tiff",
     "application/x-npy": "npy",
     "application/octet-stream+npy": "npy",
+    "application/geo+json": "geojson",
+    "application/zip": "ome.zarr",
 }
 NOT_SENT = "interrupted before it was sent"
 ABORTED = "interrupted while in flight: aborted, nothing written"

@@ -3,8 +3,9 @@
 Formats are detected by content (:mod:`service.sniff`), never by file name:
 NIfTI-1 / NIfTI-2 (``.nii``, ``.nii.gz``), PNG, JPEG and TIFF; a DICOM series (a folder, a
 ``.zip``, one file or one enhanced multi-frame object: :mod:`service.codecs.dicom`, the ``dicom``
-extra). Outputs are written as ``nii.gz``, ``nii``, ``png``, ``tiff``, ``npy`` or ``dicom-seg``
-(DICOM input only), keeping the input's grid (and NIfTI geometry).
+extra). Outputs are written as ``nii.gz``, ``nii``, ``png``, ``tiff``, ``npy``, ``ome.tiff``,
+``ome.zarr`` and ``geojson`` (2D) or ``dicom-seg`` (DICOM input only), keeping the input's grid
+(and NIfTI geometry).
 
 Two steps, so that nothing large is decoded to find out that it should not have been:
 
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.codecs.dicom_seg import encode_dicom_seg
+from service.codecs.image_encode import encode_geojson, encode_ome_tiff, encode_ome_zarr
 from service.codecs.images import (
     configure_pillow,
     decode_image,
@@ -71,6 +73,9 @@ _ENCODERS: dict[str, Callable[..., None]] = {
     "tiff": encode_tiff,
     "npy": encode_npy,
     "dicom-seg": encode_dicom_seg,
+    "ome.tiff": encode_ome_tiff,
+    "geojson": encode_geojson,
+    "ome.zarr": encode_ome_zarr,
 }
 # Absolute paths (two components or more) that a foreign library put into its message.
 _PATH_RE = re.compile(r"(?<![\w.])/(?:[^\s/'\"<>:]+/)+[^\s/'\"<>:,)]*")

@@ -16,7 +16,16 @@ from PIL import Image
 from service.codecs.volume import DecodedVolume
 from service.errors import BadParameterError
 
-__all__ = ["LABEL_PALETTE", "encode_npy", "encode_png", "encode_tiff", "label_image"]
+__all__ = [
+    "LABEL_PALETTE",
+    "encode_geojson",
+    "encode_npy",
+    "encode_ome_tiff",
+    "encode_ome_zarr",
+    "encode_png",
+    "encode_tiff",
+    "label_image",
+]
 
 
 def _label_palette() -> list[tuple[int, int, int]]:
@@ -136,6 +145,53 @@ def encode_tiff(volume: DecodedVolume, array: np.ndarray, path: Path, provenance
     if provenance is not None:  # in tifffile's JSON ImageDescription, next to "shape"
         kwargs["metadata"] = {"tilewise": provenance.as_dict()}
     tifffile.imwrite(path, np.ascontiguousarray(data), **kwargs)
+
+
+def _output_2d(volume: DecodedVolume, array: np.ndarray, fmt: str) -> tuple[np.ndarray, bool]:
+    """``(H, W)`` labels or ``(C, H, W)`` values of a 2D output (a one-slice NIfTI squeezed), and
+    whether they are labels (no channel axis).
+
+    Raises:
+        BadParameterError: the output is not 2D.
+    """
+    labels = array.ndim == volume.spatial_dims
+    planar = _squeeze_to_2d(_planar(array, volume.spatial_dims)[0])
+    if planar.ndim != 3:
+        raise BadParameterError(f"format={fmt} needs a 2D output; this one has shape {array.shape}")
+    return (planar[0] if labels else planar), labels
+
+
+def encode_ome_tiff(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
+    """Write a 2D output as a tiled pyramidal OME-TIFF (:func:`service.pyramid.write_ome_tiff`):
+    labels reduced by mode, values by mean; the input's mpp (or dpi) recorded."""
+    from service.pyramid import mpp_from_info, write_ome_tiff
+
+    data, labels = _output_2d(volume, array, "ome.tiff")
+    write_ome_tiff(data, path, labels=labels, mpp=mpp_from_info(volume.info), provenance=provenance)
+
+
+def encode_ome_zarr(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
+    """Write a 2D output as a zip of a multiscale OME-Zarr group (:func:`service.omezarr.write_ome_zarr`)."""
+    from service.omezarr import write_ome_zarr
+    from service.pyramid import mpp_from_info
+
+    data, labels = _output_2d(volume, array, "ome.zarr")
+    write_ome_zarr(data, path, labels=labels, mpp=mpp_from_info(volume.info), provenance=provenance)
+
+
+def encode_geojson(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
+    """Write the objects of a 2D label output as GeoJSON (:func:`service.objects.write_geojson`).
+
+    Raises:
+        BadParameterError: the output is not a 2D label image.
+    """
+    from service.objects import write_geojson
+
+    data, labels = _output_2d(volume, array, "geojson")
+    if not labels:
+        raise BadParameterError("format=geojson writes objects of a label output (add output=labels)")
+    names = None if provenance is None else provenance.labels
+    write_geojson(data, path, names=names, provenance=provenance)
 
 
 def encode_npy(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:  # noqa: ARG001

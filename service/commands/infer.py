@@ -38,8 +38,14 @@ from service._options import FORMAT_SUFFIXES, add_param_options, argparse_bytes,
 
 logger = logging.getLogger(__name__)
 
-#: Output suffixes and their formats (``.tif`` too); no suffix ends another, so order is free.
-_SUFFIX_FORMATS = (*((suffix, fmt) for fmt, suffix in FORMAT_SUFFIXES.items()), (".tif", "tiff"))
+#: Output suffixes and their formats (``.tif``, ``.ome.tif`` too), longest first (``.ome.tiff``
+#: before ``.tiff``).
+_SUFFIXES = (
+    *((suffix, fmt) for fmt, suffix in FORMAT_SUFFIXES.items()),
+    (".tif", "tiff"),
+    (".ome.tif", "ome.tiff"),
+)
+_SUFFIX_FORMATS = tuple(sorted(_SUFFIXES, key=lambda pair: -len(pair[0])))
 
 
 def register(sub: Any) -> None:
@@ -102,7 +108,7 @@ def output_problem(path: Path, requested: str | None) -> str | None:
 
     named = format_from_suffix(path)
     suffix = path.suffix.lower()
-    writable = ".nii.gz, .nii, .png, .tif/.tiff or .npy"
+    writable = ".nii.gz, .nii, .png, .tif/.tiff, .ome.tiff, .geojson or .npy"
     if named is None and (suffix in Image.registered_extensions() or suffix in _FOREIGN_SUFFIXES):
         return f"cannot write {path.name!r}: tilewise does not write {suffix} files; name it {writable}"
     if named is not None and requested is not None and named != requested:

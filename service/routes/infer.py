@@ -53,7 +53,17 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "run; `X-Tilewise-Warning` says (one "
         "sentence) when a given halo is below a local model's receptive-field radius.",
         "content": {
-            **{t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")},
+            **{
+                t: {}
+                for t in (
+                    "application/gzip",
+                    "image/png",
+                    "image/tiff",
+                    "application/octet-stream",
+                    "application/geo+json",
+                    "application/zip",
+                )
+            },
             "application/json": {
                 "schema": {"type": "object"},
                 "example": {

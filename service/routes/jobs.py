@@ -353,7 +353,15 @@ def _no_result(job_id: str, record: JobRecord) -> str:
         200: {
             "description": "The output file, as the synchronous endpoint returns it (same headers).",
             "content": {
-                t: {} for t in ("application/gzip", "image/png", "image/tiff", "application/octet-stream")
+                t: {}
+                for t in (
+                    "application/gzip",
+                    "image/png",
+                    "image/tiff",
+                    "application/octet-stream",
+                    "application/geo+json",
+                    "application/zip",
+                )
             },
         },
         404: _UNKNOWN,

@@ -176,7 +176,8 @@ def test_openapi_states_the_closed_value_sets(app_client: InProcessClient) -> No
         for p in operation["parameters"]
         if p["in"] == "query"
     }
-    assert enums["format"] == ["nii.gz", "nii", "png", "tiff", "npy", "dicom-seg"]
+    formats = ["nii.gz", "nii", "png", "tiff", "npy", "dicom-seg", "ome.tiff", "geojson", "ome.zarr"]
+    assert enums["format"] == formats
     assert enums["tilt"] == ["refuse", "resample"]
     assert enums["seg_type"] == ["binary", "labelmap", "fractional"]
     assert enums["blend"] == ["constant", "gaussian", "hann", "triangular"]
