@@ -71,14 +71,24 @@ def _file_of(service: JobsDep, job_id: str, principal: PrincipalDep, role: str) 
     return path, kind
 
 
-def _descriptor(service: JobsDep, job_id: str, principal: PrincipalDep, role: str) -> str:
-    path, _ = _file_of(service, job_id, principal, role)
+def _descriptor(
+    service: JobsDep, job_id: str, principal: PrincipalDep, role: str
+) -> tuple[str, dict[str, str]]:
+    """The XML and the headers that say how the tiles are drawn: ``X-Tilewise-Output`` (the
+    result's kind) and, for probabilities, ``X-Tilewise-Range: LO,HI`` (the ramp's ends)."""
+    path, kind = _file_of(service, job_id, principal, role)
     pyramid = open_pyramid(path)
+    headers = dict(_HEADERS)
     try:
         width, height = pyramid.levels[0]
+        if role == "result":
+            headers["X-Tilewise-Output"] = kind
+            window = display_window(path, pyramid, role, kind)
+            if window is not None:
+                headers["X-Tilewise-Range"] = f"{window[0]:.6g},{window[1]:.6g}"
     finally:
         pyramid.close()
-    return dzi_xml(width, height, _FORMATS[role])
+    return dzi_xml(width, height, _FORMATS[role]), headers
 
 
 def _tile(
@@ -113,7 +123,8 @@ async def job_dzi(job_id: str, name: str, service: JobsDep, principal: Principal
     """The Deep Zoom descriptor of the job's input or result (``input.dzi``, ``result.dzi``)."""
     role = _role(name, ".dzi")
     call = functools.partial(_descriptor, service, job_id, principal, role)
-    return Response(await anyio.to_thread.run_sync(call), media_type="application/xml", headers=_HEADERS)
+    xml, headers = await anyio.to_thread.run_sync(call)
+    return Response(xml, media_type="application/xml", headers=headers)
 
 
 @router.get(
