@@ -14,8 +14,6 @@ export function slidesAvailable() {
 /** Largest side (pixels) drawn on the page's own canvas; past it, deep-zoom tiles. */
 export const SLIDE_EDGE = 2048;
 
-const NS = "http://schemas.microsoft.com/deepzoom/2008";
-
 export class SlideView {
   constructor(element, api) {
     this.element = element;
@@ -32,8 +30,8 @@ export class SlideView {
     const base = `/v1/jobs/${encodeURIComponent(jobId)}/dzi/${role}`;
     const response = await this.api.request("GET", `${base}.dzi`);
     const xml = new DOMParser().parseFromString(await response.text(), "application/xml");
-    const image = xml.getElementsByTagNameNS(NS, "Image")[0];
-    const size = xml.getElementsByTagNameNS(NS, "Size")[0];
+    const image = xml.getElementsByTagName("Image")[0];
+    const size = xml.getElementsByTagName("Size")[0];
     if (!image || !size) throw new ApiError(response.status, "bad_descriptor", `${role}.dzi is no Deep Zoom image`);
     const width = Number(size.getAttribute("Width"));
     const height = Number(size.getAttribute("Height"));
