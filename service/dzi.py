@@ -11,8 +11,9 @@ the last column and row are narrower and the image border carries no overlap::
     col 0: x [0, 257)   col 1: x [255, 513)   col 2: x [511, 600)   (89 px: an edge tile)
 
 No tile is cut from a fully decoded level 0. A tile is read from the file's own pyramid level
-``k`` with the largest downsample ``s_k <= d`` (tiffslide for pyramidal TIFF, SVS, NDPI and
-OME-TIFF; tifffile's zarr store for any other TIFF), only the level-``k`` box under the tile
+``k`` with the largest downsample ``s_k <= d`` (tiffslide, from the ``slides`` extra, for
+pyramidal TIFF, SVS, NDPI and OME-TIFF; tifffile's zarr store for any other TIFF, or when
+tiffslide is not installed), only the level-``k`` box under the tile
 (``floor(x0 * d / s_k) .. ceil(x1 * d / s_k)``), and resized by Pillow to the tile's size (BOX for
 the input, NEAREST for an overlay, so label ids never mix). When even the coarsest level would
 need more than :data:`MAX_READ_PIXELS` for one tile (a flat TIFF seen from afar), an overview
