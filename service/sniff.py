@@ -32,7 +32,17 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DICOM_ADVICE", "KINDS", "UNSUPPORTED_KINDS", "Sniffed", "sniff", "sniff_bytes", "sniff_file"]
+__all__ = [
+    "DICOM_ADVICE",
+    "KINDS",
+    "SLIDE_KINDS",
+    "UNSUPPORTED_KINDS",
+    "Sniffed",
+    "slide_kind",
+    "sniff",
+    "sniff_bytes",
+    "sniff_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -167,3 +177,58 @@ def _gunzip_head(path: str | Path) -> tuple[bytes, bool]:
     except zlib.error as exc:
         logger.debug("corrupt gzip stream while sniffing %s: %s", path, exc)
     return out, complete or len(out) >= _HEAD
+
+
+#: What :func:`slide_kind` tells apart, from the first IFD of a TIFF.
+SLIDE_KINDS = ("svs", "ndpi", "ome-tiff", "tiled-tiff")
+_TAG_DESCRIPTION, _TAG_TILE_WIDTH, _TAG_NDPI = 270, 322, 65420
+_IFD_MAX_ENTRIES = 4096
+
+
+def slide_kind(path: str | Path) -> str | None:
+    """Which slide layout a TIFF is, from its first IFD (no decoding; a few hundred bytes read).
+
+    ``svs`` (ImageDescription starts with ``Aperio``), ``ndpi`` (Hamamatsu's tag 65420),
+    ``ome-tiff`` (ImageDescription holds ``<OME``), ``tiled-tiff`` (TileWidth present: a
+    whole-slide layout read by region), else ``None`` (a flat TIFF, or not a TIFF).
+
+    Raises:
+        OSError: when the file cannot be read.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(16)
+        if head[:4] not in _TIFF:
+            return None
+        order = "<" if head[:2] == b"II" else ">"
+        big = head[2:4] in (b"+\x00", b"\x00+")
+        if len(head) < (16 if big else 8):
+            return None
+        count_fmt, entry_size, value_fmt = ("Q", 20, "Q") if big else ("H", 12, "I")
+        offset = struct.unpack(order + ("Q" if big else "I"), head[8:16] if big else head[4:8])[0]
+        fh.seek(offset)
+        raw = fh.read(8 if big else 2)
+        if len(raw) < (8 if big else 2):
+            return None
+        (count,) = struct.unpack(order + count_fmt, raw)
+        entries = fh.read(min(count, _IFD_MAX_ENTRIES) * entry_size)
+        tags: dict[int, tuple[int, int, bytes]] = {}
+        for k in range(len(entries) // entry_size):
+            entry = entries[k * entry_size : (k + 1) * entry_size]
+            tag, _type = struct.unpack(order + "HH", entry[:4])
+            (n,) = struct.unpack(order + value_fmt, entry[4 : 12 if big else 8])
+            tags[tag] = (_type, n, entry[12:] if big else entry[8:])
+        if _TAG_NDPI in tags:
+            return "ndpi"
+        if _TAG_DESCRIPTION in tags:
+            _type, n, value = tags[_TAG_DESCRIPTION]
+            inline = 8 if big else 4
+            if n <= inline:
+                text = value[:n]
+            else:
+                fh.seek(struct.unpack(order + value_fmt, value[:inline])[0])
+                text = fh.read(min(n, 4096))
+            if text.startswith(b"Aperio"):
+                return "svs"
+            if b"<OME" in text:
+                return "ome-tiff"
+        return "tiled-tiff" if _TAG_TILE_WIDTH in tags else None

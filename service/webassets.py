@@ -1,4 +1,4 @@
-"""The page's third-party viewer: NiiVue's browser bundle, taken from npm at setup time.
+"""The page's third-party viewers: NiiVue's and OpenSeadragon's browser bundles, from npm at setup.
 
 NiiVue (``@niivue/niivue``, BSD-2-Clause, the niivue authors) draws the volume views of the page
 (``GET /``). Its self-contained UMD bundle ``package/dist/niivue.umd.js`` is taken from the npm
@@ -6,6 +6,10 @@ tarball of one pinned version, whose SHA-256 (and the bundle's) are checked, and
 folder (``TILEWISE_WEB_DIR``, default :data:`DEFAULT_WEB_DIR`). It is never committed and never
 loaded from a CDN: the page makes no request outside its own server. Without the file the page
 still works for 2D images and says how to install the viewer for volumes.
+
+OpenSeadragon (``openseadragon``, BSD-3-Clause, the OpenSeadragon contributors) draws slides and
+large 2D results from the deep-zoom tiles of a job (``/v1/jobs/{id}/dzi/``): its minified bundle
+``package/build/openseadragon/openseadragon.min.js`` is taken the same way (:func:`setup_openseadragon`).
 
 The tarball comes from ``npm pack`` when npm is installed, else straight from the npm registry
 (``$npm_config_registry``, default ``https://registry.npmjs.org/``), or from a local file.
@@ -21,6 +25,7 @@ import ssl
 import subprocess
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import certifi
@@ -30,9 +35,15 @@ __all__ = [
     "DEFAULT_WEB_DIR",
     "NIIVUE_FILE",
     "NIIVUE_VERSION",
+    "OPENSEADRAGON",
+    "OPENSEADRAGON_FILE",
+    "OPENSEADRAGON_VERSION",
+    "NpmAsset",
     "WebAssetError",
     "niivue_path",
+    "openseadragon_path",
     "setup_niivue",
+    "setup_openseadragon",
     "web_dir_of",
 ]
 
@@ -49,6 +60,34 @@ _MEMBER = "package/dist/niivue.umd.js"
 NIIVUE_TARBALL_SHA256 = "6e9a6a471b428eb3b258a0086beca9187d95e43a781a39e8a519c6da246af485"
 NIIVUE_SHA256 = "47b896b77ec4a5be3ef1949c33ad393b6f45629921f326c279000bcf51bdb4af"
 _TIMEOUT_S = 120.0
+
+OPENSEADRAGON_VERSION = "6.1.1"
+#: The file name in the web folder (and under ``/static/vendor/`` on the server).
+OPENSEADRAGON_FILE = "openseadragon.min.js"
+
+
+@dataclass(frozen=True, slots=True)
+class NpmAsset:
+    """One file of one pinned npm tarball, with the SHA-256 of both."""
+
+    package: str
+    version: str
+    member: str
+    file: str
+    tarball_sha256: str
+    sha256: str
+
+
+_NIIVUE = NpmAsset(NIIVUE_PACKAGE, NIIVUE_VERSION, _MEMBER, NIIVUE_FILE, NIIVUE_TARBALL_SHA256, NIIVUE_SHA256)
+#: ``npm pack openseadragon@6.1.1`` (the registry's tarball) and its minified bundle.
+OPENSEADRAGON = NpmAsset(
+    "openseadragon",
+    OPENSEADRAGON_VERSION,
+    "package/build/openseadragon/openseadragon.min.js",
+    OPENSEADRAGON_FILE,
+    "b4ab2942f33b90e0448e4d20fc5ed14cee049f1f3ae49d70afd4b05e9a2f92d0",
+    "14d587cd3ee7c4861f1a41077ce642029364a21029956ba635bd8fb1202cf9ad",
+)
 
 
 class WebAssetError(RuntimeError):
@@ -77,9 +116,15 @@ def niivue_path(web_dir: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def _npm_pack(folder: Path) -> Path:
-    """``npm pack @niivue/niivue@VERSION`` into ``folder``; the tarball's path."""
-    spec = f"{NIIVUE_PACKAGE}@{NIIVUE_VERSION}"
+def openseadragon_path(web_dir: Path) -> Path | None:
+    """The installed OpenSeadragon bundle in ``web_dir`` if it is there (checked at setup)."""
+    path = web_dir / OPENSEADRAGON_FILE
+    return path if path.is_file() else None
+
+
+def _npm_pack(folder: Path, asset: NpmAsset = _NIIVUE) -> Path:
+    """``npm pack PACKAGE@VERSION`` into ``folder``; the tarball's path."""
+    spec = f"{asset.package}@{asset.version}"
     cmd = ["npm", "pack", spec, "--pack-destination", str(folder), "--ignore-scripts", "--silent"]
     try:
         done = subprocess.run(
@@ -120,12 +165,12 @@ def _ssl_context() -> ssl.SSLContext:
     return context
 
 
-def _download(folder: Path) -> Path:
+def _download(folder: Path, asset: NpmAsset = _NIIVUE) -> Path:
     """The registry's tarball of the pinned version, fetched over HTTPS (no npm installed)."""
     registry = os.environ.get("npm_config_registry") or "https://registry.npmjs.org/"
-    name = NIIVUE_PACKAGE.split("/")[-1]
-    url = f"{registry.rstrip('/')}/{NIIVUE_PACKAGE}/-/{name}-{NIIVUE_VERSION}.tgz"
-    target = folder / f"{name}-{NIIVUE_VERSION}.tgz"
+    name = asset.package.split("/")[-1]
+    url = f"{registry.rstrip('/')}/{asset.package}/-/{name}-{asset.version}.tgz"
+    target = folder / f"{name}-{asset.version}.tgz"
     logger.info("npm not found: downloading %s", url)
     try:  # httpx: *_PROXY from the environment; CAs from certifi and the system (_ssl_context)
         answers = httpx.stream("GET", url, timeout=_TIMEOUT_S, follow_redirects=True, verify=_ssl_context())
@@ -138,30 +183,31 @@ def _download(folder: Path) -> Path:
     return target
 
 
-def _extract(tarball: Path, target: Path) -> None:
+def _extract(tarball: Path, target: Path, asset: NpmAsset = _NIIVUE) -> None:
     """Write the bundle member of ``tarball`` to ``target`` (atomically), checking both digests."""
     found = _sha256(tarball)
-    if found != NIIVUE_TARBALL_SHA256:
+    if found != asset.tarball_sha256:
         raise WebAssetError(
-            f"{tarball.name}: SHA-256 {found} is not the pinned {NIIVUE_TARBALL_SHA256} of "
-            f"{NIIVUE_PACKAGE}@{NIIVUE_VERSION}"
+            f"{tarball.name}: SHA-256 {found} is not the pinned {asset.tarball_sha256} of "
+            f"{asset.package}@{asset.version}"
         )
+    member_name = asset.member
     partial = target.with_name(target.name + ".partial")
     try:
         with tarfile.open(tarball, "r:gz") as archive:
-            member = archive.getmember(_MEMBER)
+            member = archive.getmember(member_name)
             source = archive.extractfile(member)
             if source is None:
-                raise WebAssetError(f"{tarball.name}: {_MEMBER} is not a regular file")
+                raise WebAssetError(f"{tarball.name}: {member_name} is not a regular file")
             with source, partial.open("wb") as sink:
                 shutil.copyfileobj(source, sink)
     except (KeyError, tarfile.TarError, OSError) as exc:
         partial.unlink(missing_ok=True)
-        raise WebAssetError(f"{tarball.name}: cannot read {_MEMBER}: {exc}") from exc
+        raise WebAssetError(f"{tarball.name}: cannot read {member_name}: {exc}") from exc
     found = _sha256(partial)
-    if found != NIIVUE_SHA256:
+    if found != asset.sha256:
         partial.unlink(missing_ok=True)
-        raise WebAssetError(f"{_MEMBER}: SHA-256 {found} is not the pinned {NIIVUE_SHA256}")
+        raise WebAssetError(f"{member_name}: SHA-256 {found} is not the pinned {asset.sha256}")
     partial.replace(target)
 
 
@@ -190,4 +236,26 @@ def setup_niivue(web_dir: Path, *, tarball: Path | None = None, force: bool = Fa
             source = _npm_pack(folder) if shutil.which("npm") else _download(folder)
             _extract(source, target)
     logger.info("NiiVue %s: %s written and verified", NIIVUE_VERSION, target)
+    return target
+
+
+def setup_openseadragon(web_dir: Path, *, tarball: Path | None = None, force: bool = False) -> Path:
+    """Put OpenSeadragon's verified minified bundle into ``web_dir``; its path.
+
+    Args and errors as :func:`setup_niivue` (``tarball``: a local ``openseadragon-6.1.1.tgz``).
+    """
+    web_dir.mkdir(parents=True, exist_ok=True)
+    target = web_dir / OPENSEADRAGON_FILE
+    asset = OPENSEADRAGON
+    if not force and target.is_file() and _sha256(target) == asset.sha256:
+        logger.info("OpenSeadragon %s: %s already present and verified", asset.version, target)
+        return target
+    if tarball is not None:
+        _extract(tarball.expanduser(), target, asset)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tilewise-npm-") as tmp:
+            folder = Path(tmp)
+            source = _npm_pack(folder, asset) if shutil.which("npm") else _download(folder, asset)
+            _extract(source, target, asset)
+    logger.info("OpenSeadragon %s: %s written and verified", asset.version, target)
     return target

@@ -37,12 +37,13 @@ def empty_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def session_web_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A web folder for the session, holding a copy of the viewer bundle that ``tilewise setup-web``
     verified in the user's folder (if any): ``setup-models`` finds it there and downloads nothing."""
-    from service.webassets import DEFAULT_WEB_DIR, NIIVUE_FILE
+    from service.webassets import DEFAULT_WEB_DIR, NIIVUE_FILE, OPENSEADRAGON_FILE
 
     folder = tmp_path_factory.mktemp("web")
-    installed = DEFAULT_WEB_DIR / NIIVUE_FILE
-    if installed.is_file():
-        shutil.copyfile(installed, folder / NIIVUE_FILE)  # setup-web checks its digest again
+    for name in (NIIVUE_FILE, OPENSEADRAGON_FILE):
+        installed = DEFAULT_WEB_DIR / name
+        if installed.is_file():
+            shutil.copyfile(installed, folder / name)  # setup-web checks its digest again
     return folder
 
 

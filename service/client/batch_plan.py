@@ -94,5 +94,7 @@ def _plan(
                 continue
             if (Path(output_root) / out_rel).exists():
                 logger.warning("%s: existing output %s is not trusted (%s); redoing it", rel, out_rel, why)
+        if cand.slide is not None:
+            logger.info("%s: a slide (%s), sent as a job", rel, cand.slide)
         jobs.append(_Job(cand, out_rel, fmt))
     return jobs, known

@@ -37,7 +37,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from service._options import FORMAT_SUFFIXES
-from service.sniff import KINDS, sniff_file
+from service.sniff import KINDS, slide_kind, sniff_file
 
 __all__ = [
     "FORMAT_SUFFIXES",
@@ -76,6 +76,8 @@ class Candidate:
         claimed_kind: what its name says it is, else ``None``.
         skipped: why the walk did not read it (a symlink leaving INPUT_DIR ...), else ``None``.
         unreadable: the error met reading it, else ``None``.
+        slide: for a TIFF, its slide layout by content (:func:`service.sniff.slide_kind`: ``svs``,
+            ``ndpi``, ``ome-tiff``, ``tiled-tiff``), whatever its name (``.svs``, ``.ndpi``, ...).
     """
 
     path: Path
@@ -85,6 +87,7 @@ class Candidate:
     claimed_kind: str | None
     skipped: str | None = None
     unreadable: str | None = None
+    slide: str | None = None
 
     @property
     def sendable(self) -> bool:
@@ -249,13 +252,14 @@ def discover(
             continue
         try:
             kind = sniff_file(path)
+            slide = slide_kind(path) if kind == "tiff" else None
             size = path.stat().st_size
         except OSError as exc:
             logger.warning("%s: cannot read (%s)", rel, exc)
             error = f"{_UNREADABLE}{type(exc).__name__}: {exc.strerror or exc}"
             candidates.append(Candidate(path, rel, 0, None, claimed, unreadable=error))
             continue
-        candidates.append(Candidate(path, rel, size, kind, claimed))
+        candidates.append(Candidate(path, rel, size, kind, claimed, slide=slide))
     return sorted(candidates, key=lambda c: str(c.rel))
 
 

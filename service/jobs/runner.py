@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from models.planning.params import parse_query
@@ -48,6 +49,7 @@ from service.jobs.record import JobError, JobRecord, JobResult, JobState
 from service.jobs.store import INPUT_FILE, PARTIAL_FILE, JobStore
 from service.metrics import Metrics
 from service.pipeline import InferenceResult, Limits, run_file
+from service.sniff import sniff_file
 from tiling import RunCancelledError
 
 __all__ = ["JobService"]
@@ -57,6 +59,16 @@ logger = logging.getLogger(__name__)
 #: A job whose runs ended this many times with their server dying (killed, out of memory; a graceful
 #: stop does not count) fails instead of taking a next server down with it.
 MAX_ATTEMPTS = 5
+#: Inputs a done job keeps, for the page's deep-zoom view (service.routes.dzi): 2D images.
+_VIEWED_KINDS = ("tiff", "png", "jpeg")
+
+
+def sniff_file_safe(path: Path) -> str | None:
+    """The kind of the file at ``path`` (service.sniff), ``None`` for a folder or an unreadable file."""
+    try:
+        return sniff_file(path) if path.is_file() else None
+    except OSError:
+        return None
 
 
 @dataclass
@@ -322,7 +334,9 @@ class JobService:
                 headers=result_headers(record.model, result),
                 size_bytes=result.size_bytes,
             )
-        doomed = [folder / INPUT_FILE, folder / PARTIAL_FILE]
+        doomed = [folder / PARTIAL_FILE]
+        if state is not JobState.DONE or sniff_file_safe(folder / INPUT_FILE) not in _VIEWED_KINDS:
+            doomed.append(folder / INPUT_FILE)  # a done 2D image stays for its deep-zoom view
         if state is not JobState.DONE:
             doomed += [p for p in folder.glob("output.*")]
         for path in doomed:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends
 
 from service.routes.catalog import router as catalog_router
 from service.routes.docs import error_doc
+from service.routes.dzi import router as dzi_router
 from service.routes.health import router as health_router
 from service.routes.infer import router as infer_router
 from service.routes.jobs import router as jobs_router
@@ -32,3 +33,4 @@ v1_router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], res
 v1_router.include_router(catalog_router)
 v1_router.include_router(infer_router)
 v1_router.include_router(jobs_router)
+v1_router.include_router(dzi_router)

@@ -20,7 +20,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from service.webassets import DEFAULT_WEB_DIR, NIIVUE_FILE, NIIVUE_VERSION, niivue_path
+from service.webassets import (
+    DEFAULT_WEB_DIR,
+    NIIVUE_FILE,
+    NIIVUE_VERSION,
+    OPENSEADRAGON_FILE,
+    niivue_path,
+    openseadragon_path,
+)
 
 __all__ = ["CONTENT_SECURITY_POLICY", "STATIC_PREFIX", "VENDOR_PREFIX", "install_page"]
 
@@ -29,13 +36,16 @@ STATIC_PREFIX = "/static/web"
 #: Where the third-party viewer is served.
 VENDOR_PREFIX = "/static/vendor"
 
-#: Same origin only. ``blob:`` is the downloaded result (and NiiVue's image decoding), ``data:``
-#: NiiVue's built-in font and colour bars; no inline script, no eval.
+#: Same origin only. ``blob:`` is the downloaded result (and NiiVue's image decoding, and
+#: OpenSeadragon's tiles fetched with the API key), ``data:`` NiiVue's built-in font and colour
+#: bars; no inline script, no eval. One inline style is allowed by its hash: the only rule
+#: OpenSeadragon 6.1.1 injects (``@media (hover: none)``: no focus outline on touch screens).
+_OPENSEADRAGON_STYLE = "'sha256-9xTiqzfwFaL2SGb1rmr8gysEwVVjIvqWAgmZgqFqpEE='"
 CONTENT_SECURITY_POLICY = "; ".join(
     (
         "default-src 'self'",
         "script-src 'self'",
-        "style-src 'self'",
+        f"style-src 'self' {_OPENSEADRAGON_STYLE}",
         "img-src 'self' blob: data:",
         "connect-src 'self' blob: data:",
         "worker-src 'self' blob:",
@@ -58,8 +68,11 @@ def _web_files() -> Path:
     return Path(str(resources.files("service") / "web"))
 
 
-def _render(template: str, *, api_key: bool, viewer: bool) -> str:
+def _render(template: str, *, api_key: bool, viewer: bool, slides: bool = False) -> str:
     script = f'<script src="{VENDOR_PREFIX}/{NIIVUE_FILE}" defer></script>' if viewer else ""
+    if slides:  # OpenSeadragon: slides and large 2D results, from the job's deep-zoom tiles
+        script += f'<script src="{VENDOR_PREFIX}/{OPENSEADRAGON_FILE}" defer></script>'
+    script += f'<meta name="tilewise-slides" content="{"openseadragon" if slides else "missing"}">'
     values = {
         "__API_KEY__": "required" if api_key else "none",
         "__VIEWER__": "niivue" if viewer else "missing",
@@ -87,7 +100,8 @@ def install_page(app: FastAPI) -> None:
         keyring = getattr(request.app.state, "keyring", None)
         keyed = keyring.enabled if keyring is not None else request.app.state.settings.api_key is not None
         viewer = niivue_path(web_dir(request)) is not None
-        body = _render(template, api_key=keyed, viewer=viewer)
+        slides = openseadragon_path(web_dir(request)) is not None
+        body = _render(template, api_key=keyed, viewer=viewer, slides=slides)
         return HTMLResponse(body, headers=_HEADERS)
 
     @app.get(f"{VENDOR_PREFIX}/{NIIVUE_FILE}", include_in_schema=False)
@@ -96,5 +110,14 @@ def install_page(app: FastAPI) -> None:
         if path is None:
             return Response(
                 "NiiVue is not installed: run `tilewise setup-web`\n", 404, media_type="text/plain"
+            )
+        return FileResponse(path, media_type="text/javascript", headers={"Cache-Control": "no-cache"})
+
+    @app.get(f"{VENDOR_PREFIX}/{OPENSEADRAGON_FILE}", include_in_schema=False)
+    async def openseadragon(request: Request) -> Response:
+        path = openseadragon_path(web_dir(request))
+        if path is None:
+            return Response(
+                "OpenSeadragon is not installed: run `tilewise setup-web`\n", 404, media_type="text/plain"
             )
         return FileResponse(path, media_type="text/javascript", headers={"Cache-Control": "no-cache"})

@@ -53,6 +53,25 @@ export function showLegend(list, facts, meta) {
   );
 }
 
+/** The legend of a slide's overlay: label names and colours (no counts: the output is not in
+ * the page), or the ramp over the range the server draws (X-Tilewise-Range). */
+export function showSlideLegend(list, facts, meta) {
+  if (meta.kind !== "labels") {
+    showLegend(list, { range: facts.range }, meta);
+    return;
+  }
+  list.replaceChildren();
+  const ids = Object.keys(meta.labels || {}).map(Number).sort((a, b) => a - b);
+  for (const id of ids.length ? ids : [0, 1]) {
+    const name = (meta.labels || {})[id] ?? `label ${id}`;
+    const swatch = element("span", { className: id === 0 ? "swatch none" : "swatch" });
+    if (id !== 0) swatch.style.background = labelCss(id);
+    const item = element("li", {}, [swatch, element("span", { textContent: `${name} (${id})${id === 0 ? ", not drawn" : ""}` })]);
+    item.dataset.label = String(id);
+    list.append(item);
+  }
+}
+
 function fmt(value) {
   return Math.abs(value) >= 100 || value === 0 ? value.toFixed(0) : value.toPrecision(3);
 }

@@ -4,7 +4,8 @@
 import { Api, ApiError } from "./api.js";
 import { pictureOfFile, sniff, valuesOfFile } from "./decode/files.js";
 import { RunForm } from "./form.js";
-import { showDownload, showFacts, showLegend } from "./legend.js";
+import { showDownload, showFacts, showLegend, showSlideLegend } from "./legend.js";
+import { SLIDE_EDGE, SlideView, slidesAvailable } from "./slides.js";
 import { ImageView, pictureOf } from "./view2d.js";
 import { VolumeView, viewerProblem } from "./view3d.js";
 
@@ -37,9 +38,10 @@ const showLocation = (text) => {
 };
 const volumes = new VolumeView($("view3d"), $("canvas-box"), showLocation);
 const images = new ImageView($("view2d"), showLocation);
+const slides = new SlideView($("slide"), api);
 let view = null;
 // The viewers, for scripting the page from the browser's console (and for its tests).
-window.tilewise = { volumes, images };
+window.tilewise = { volumes, images, slides };
 
 function updateButtons() {
   ui.run.disabled = state.running || !form.ready();
@@ -106,6 +108,7 @@ function setProgress(fraction) {
 function progressText(job) {
   const parts = [job.state];
   if (job.tiles_total) parts.push(`${job.tiles_done} / ${job.tiles_total} tiles`);
+  if (job.tiles_skipped) parts.push(`${job.tiles_skipped} skipped`); // background: counted as done
   if (job.state === "running" && job.eta_s !== null && job.eta_s !== undefined) parts.push(`ETA ${Math.ceil(job.eta_s)} s`);
   return parts.join(" · ");
 }
@@ -202,7 +205,46 @@ async function cancel() {
   }
 }
 
+/** A slide or a large 2D image (a TIFF past SLIDE_EDGE a side): drawn from deep-zoom tiles. */
+async function isSlide(job, type) {
+  if (type !== "tiff" || !slidesAvailable()) return false;
+  try {
+    const { width, height } = await slides.descriptor(job.id, "input");
+    return Math.max(width, height) > SLIDE_EDGE;
+  } catch (error) {
+    return false; // no view of this input: the page's own canvas
+  }
+}
+
+async function showSlide(model, job) {
+  const answer = await api.request("GET", `/v1/jobs/${encodeURIComponent(job.id)}/result`);
+  answer.body.cancel(); // the headers only: a slide's output is not read into the page
+  const kind = answer.headers.get("x-tilewise-output") || (model.defaults || {}).output || "probabilities";
+  const channel = firstChannel(kind, model);
+  const info = { kind, labels: model.labels || {}, opacity: ui.opacity.value / 100, channel };
+  showFacts($("facts"), answer.headers, job);
+  const link = $("download");
+  link.hidden = Boolean(api.key); // a link cannot send the key: the API serves the file
+  link.href = `/v1/jobs/${encodeURIComponent(job.id)}/result`;
+  link.textContent = "Download the output";
+  ui.result.hidden = false;
+  for (const id of ["view2d", "view3d"]) $(id).hidden = true;
+  $("slide").hidden = false;
+  $("canvas-box").classList.remove("volume", "image");
+  $("canvas-box").classList.add("slide");
+  view = slides;
+  const facts = await slides.show(job.id, info);
+  ui.location.textContent = `A slide of ${facts.width} x ${facts.height} pixels: drag to move, wheel to zoom.`;
+  showSlideLegend($("legend"), facts, info);
+  setChannels(kind === "labels" ? 1 : model.out_channels || 1, model.labels || {}, channel);
+}
+
 async function showResult(model, file, job) {
+  const head = sniff(await file.slice(0, 1024).arrayBuffer());
+  $("slide").hidden = true;
+  $("canvas-box").classList.remove("slide");
+  slides.close();
+  if (await isSlide(job, head)) return showSlide(model, job);
   const result = await api.result(job.id);
   const kind = result.headers.get("x-tilewise-output") || (model.defaults || {}).output || "probabilities";
   const channel = firstChannel(kind, model);

@@ -1,0 +1,439 @@
+"""Deep Zoom tiles of a job's input or result, read by region (issue 21 item 6).
+
+OpenSeadragon reads a Deep Zoom image as an XML descriptor (``.dzi``: ``TileSize``, ``Overlap``,
+``Format``, ``Size``) and a folder of tiles ``{level}_files/{level}/{col}_{row}.{format}``. Level
+``L`` of ``0 .. max_level`` (``max_level = ceil(log2(max(W, H)))``) is the image downsampled by
+``d = 2 ** (max_level - L)``: ``ceil(W / d) x ceil(H / d)`` pixels; tile ``(col, row)`` covers
+``[col*T - O, (col+1)*T + O)`` of it (``T`` tile size, ``O`` overlap), clipped to the level, so
+the last column and row are narrower and the image border carries no overlap::
+
+    W = 600, T = 256, O = 1, level max_level (d = 1):
+    col 0: x [0, 257)   col 1: x [255, 513)   col 2: x [511, 600)   (89 px: an edge tile)
+
+No tile is cut from a fully decoded level 0. A tile is read from the file's own pyramid level
+``k`` with the largest downsample ``s_k <= d`` (tiffslide, from the ``slides`` extra, for
+pyramidal TIFF, SVS, NDPI and OME-TIFF; tifffile's zarr store for any other TIFF, or when
+tiffslide is not installed), only the level-``k`` box under the tile
+(``floor(x0 * d / s_k) .. ceil(x1 * d / s_k)``), and resized by Pillow to the tile's size (BOX for
+the input, NEAREST for an overlay, so label ids never mix). When even the coarsest level would
+need more than :data:`MAX_READ_PIXELS` for one tile (a flat TIFF seen from afar), an overview
+(``coarsest[::f, ::f]``, at most :data:`OVERVIEW_EDGE` a side) is made once, band by band (memory
+``f`` rows of the coarsest level), and kept beside the file; it then serves as one more level.
+So a request costs at most :data:`MAX_READ_PIXELS` decoded pixels, except the one that builds an
+overview (one pass over the coarsest level, bounded memory). PNG and JPEG are one compressed
+stream: they are decoded whole (within Pillow's decompression-bomb limit).
+
+Pictures: the input as JPEG (RGB; grey or non-8-bit data stretched over the coarsest level's
+range); the result as RGBA PNG coloured like the page's legend: labels in
+:data:`service.codecs.image_encode.LABEL_PALETTE` (label 0 transparent), probabilities of one
+channel in the page's ramp (dark red, orange, yellow; below 0.1 of the range transparent).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.codecs.image_encode import LABEL_PALETTE
+from service.errors import BadParameterError, UnsupportedMediaTypeError
+from service.sniff import sniff_file
+
+__all__ = [
+    "MAX_READ_PIXELS",
+    "OVERLAP",
+    "OVERVIEW_EDGE",
+    "TILE_SIZE",
+    "DeepZoom",
+    "Pyramid",
+    "TileBox",
+    "display_window",
+    "dzi_xml",
+    "encode_tile",
+    "open_pyramid",
+    "render_tile",
+]
+
+#: Deep Zoom tile edge (pixels) and overlap (pixels on each inner side).
+TILE_SIZE = 256
+OVERLAP = 1
+#: Most source pixels one tile request decodes (past it, the overview serves).
+MAX_READ_PIXELS = 4096 * 4096
+#: Longest side of an overview (pixels).
+OVERVIEW_EDGE = 1024
+#: Probabilities below this share of the range are not drawn (as ``RAMP_THRESHOLD`` in palette.js).
+RAMP_THRESHOLD = 0.1
+_OVERVIEW_SUFFIX = ".dzi-overview.npy"
+_LOCK = threading.Lock()
+
+
+def _ramp() -> np.ndarray:
+    """The page's probability ramp (``palette.js`` ``RAMP``): ``(256, 3)`` uint8."""
+    stops = [(0.0, (150, 0, 0)), (0.5, (255, 96, 0)), (1.0, (255, 255, 0))]
+    out = np.zeros((256, 3), np.uint8)
+    for k in range(256):
+        t = k / 255
+        j = 0
+        while j < len(stops) - 2 and t > stops[j + 1][0]:
+            j += 1
+        (t0, c0), (t1, c1) = stops[j], stops[j + 1]
+        u = (t - t0) / (t1 - t0)
+        out[k] = [math.floor(c + (d - c) * u + 0.5) for c, d in zip(c0, c1, strict=True)]
+    return out
+
+
+_RAMP = _ramp()
+_PALETTE = np.array(LABEL_PALETTE, np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class TileBox:
+    """Where one Deep Zoom tile lies: its box ``[x0, x1) x [y0, y1)`` in level pixels and the
+    level's downsample ``d`` from level 0."""
+
+    x0: int
+    y0: int
+    x1: int
+    y1: int
+    downsample: int
+
+
+class DeepZoom:
+    """The Deep Zoom layout of a ``width x height`` image (pixels of level 0).
+
+    Raises:
+        BadParameterError: a level, column or row that is not a non-negative integer (400).
+        LookupError: a level, column or row past the image (404).
+    """
+
+    def __init__(self, width: int, height: int, tile_size: int = TILE_SIZE, overlap: int = OVERLAP) -> None:
+        self.width, self.height, self.tile_size, self.overlap = width, height, tile_size, overlap
+        self.max_level = max(0, math.ceil(math.log2(max(width, height, 1))))
+
+    def level_size(self, level: int) -> tuple[int, int]:
+        """``(width, height)`` of Deep Zoom level ``level``."""
+        d = 2 ** (self.max_level - level)
+        return -(-self.width // d), -(-self.height // d)
+
+    def box(self, level: Any, col: Any, row: Any) -> TileBox:
+        """The box of tile ``(col, row)`` of ``level`` (strings from a URL accepted)."""
+        values = []
+        for name, value in (("level", level), ("col", col), ("row", row)):
+            text = str(value)
+            if not text.isascii() or not text.isdigit() or len(text) > 9:
+                raise BadParameterError(f"{name} must be a non-negative integer, got {text[:20]!r}")
+            values.append(int(text))
+        lv, c, r = values
+        if lv > self.max_level:
+            raise LookupError(f"level {lv} is past the last level {self.max_level}")
+        w, h = self.level_size(lv)
+        t, o = self.tile_size, self.overlap
+        if c * t >= w or r * t >= h:
+            cols, rows = -(-w // t), -(-h // t)
+            raise LookupError(f"tile {c}_{r} is outside level {lv} ({cols} columns x {rows} rows)")
+        x0, y0 = max(0, c * t - o), max(0, r * t - o)
+        x1, y1 = min(w, (c + 1) * t + o), min(h, (r + 1) * t + o)
+        return TileBox(x0, y0, x1, y1, 2 ** (self.max_level - lv))
+
+
+def dzi_xml(width: int, height: int, fmt: str, tile_size: int = TILE_SIZE, overlap: int = OVERLAP) -> str:
+    """The ``.dzi`` descriptor (Deep Zoom schema 2008) of a ``width x height`` image."""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        '<Image xmlns="http://schemas.microsoft.com/deepzoom/2008" '
+        f'TileSize="{tile_size}" Overlap="{overlap}" Format="{fmt}">'
+        f'<Size Width="{width}" Height="{height}"/></Image>\n'
+    )
+
+
+class Pyramid:
+    """One image as levels of decreasing size: ``levels[k] = (width, height)`` (level 0 the full
+    image), :meth:`read` a level's box as ``(h, w, C)`` in the file's dtype."""
+
+    levels: list[tuple[int, int]]
+    dtype: np.dtype[Any]
+
+    def read(self, level: int, x0: int, y0: int, x1: int, y1: int) -> np.ndarray:  # pragma: no cover
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the file."""
+
+
+class _Slide(Pyramid):
+    """A TIFF tiffslide opens with axes ``YXS``, ``CYX`` or ``YX`` (SVS, NDPI, OME-TIFF, tiled)."""
+
+    def __init__(self, path: Path) -> None:
+        import tiffslide
+
+        self.slide = tiffslide.TiffSlide(str(path))
+        axes = self.slide.properties.get("tiffslide.series-axes")
+        if axes not in ("YXS", "CYX", "YX"):
+            self.slide.close()
+            raise ValueError(f"axes {axes}")
+        self.levels = [tuple(map(int, d)) for d in self.slide.level_dimensions]  # type: ignore[misc]
+        self.dtype = np.dtype(self.slide.zarr_group["0"].dtype)
+
+    def read(self, level: int, x0: int, y0: int, x1: int, y1: int) -> np.ndarray:
+        ds = self.slide.level_downsamples[level]
+        base = []
+        for v in (x0, y0):  # the level-0 location that tiffslide maps back to (v, ...): int(b / ds)
+            b = math.ceil(v * ds - 1e-6)
+            while int(b / ds) < v:
+                b += 1
+            while b > 0 and int(b / ds) > v:
+                b -= 1
+            base.append(b)
+        out = self.slide.read_region(
+            (base[0], base[1]), level, (x1 - x0, y1 - y0), as_array=True, padding=False
+        )
+        return np.asarray(out)
+
+    def close(self) -> None:
+        self.slide.close()
+
+
+class _TiffLevels(Pyramid):
+    """Any other TIFF: the first series' levels through tifffile's zarr store."""
+
+    def __init__(self, path: Path) -> None:
+        import tifffile
+        import zarr
+
+        self.tif = tifffile.TiffFile(path)
+        series = self.tif.series[0]
+        self.axes = series.axes
+        if "Y" not in self.axes or "X" not in self.axes:
+            self.tif.close()
+            raise UnsupportedMediaTypeError(f"the TIFF's first series has axes {self.axes}: no 2D image")
+        self.arrays = [zarr.open(series.aszarr(level=k), mode="r") for k in range(len(series.levels))]
+        iy, ix = self.axes.index("Y"), self.axes.index("X")
+        self.levels = [(int(a.shape[ix]), int(a.shape[iy])) for a in self.arrays]
+        self.dtype = np.dtype(series.dtype)
+
+    def read(self, level: int, x0: int, y0: int, x1: int, y1: int) -> np.ndarray:
+        return _select(self.arrays[level], self.axes, x0, y0, x1, y1)
+
+    def close(self) -> None:
+        self.tif.close()
+
+
+def _select(array: Any, axes: str, x0: int, y0: int, x1: int, y1: int, step: int = 1) -> np.ndarray:
+    """``array[...]`` with axes ``axes`` as ``(h, w, C)``: Y and X sliced, S and C kept, any
+    other axis at index 0."""
+    key: list[Any] = []
+    kept = []
+    for axis in axes:
+        if axis == "Y":
+            key.append(slice(y0, y1, step))
+        elif axis == "X":
+            key.append(slice(x0, x1, step))
+        elif axis in "SC":
+            key.append(slice(None))
+        else:
+            key.append(0)
+            continue
+        kept.append(axis)
+    out = np.asarray(array[tuple(key)])
+    order = [kept.index("Y"), kept.index("X")] + [i for i, a in enumerate(kept) if a not in "YX"]
+    out = out.transpose(order)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class _Flat(Pyramid):
+    """PNG or JPEG: decoded whole (one compressed stream), one level."""
+
+    def __init__(self, path: Path) -> None:
+        from PIL import Image
+
+        with Image.open(path) as image:
+            if image.mode == "P":  # a label PNG: the ids, not the colours
+                array = np.asarray(image)
+            else:
+                array = np.asarray(image.convert("RGB") if image.mode in ("CMYK", "YCbCr") else image)
+        self.array = array.reshape(array.shape[0], array.shape[1], -1)
+        self.levels = [(int(self.array.shape[1]), int(self.array.shape[0]))]
+        self.dtype = self.array.dtype
+
+    def read(self, level: int, x0: int, y0: int, x1: int, y1: int) -> np.ndarray:  # noqa: ARG002
+        return self.array[y0:y1, x0:x1]
+
+
+class _WithOverview(Pyramid):
+    """``inner``'s levels plus one overview: ``coarsest[::f, ::f]``, kept in ``path`` (.npy)."""
+
+    def __init__(self, inner: Pyramid, path: Path) -> None:
+        self.inner = inner
+        self.dtype = inner.dtype
+        cw, ch = inner.levels[-1]
+        f = max(1, -(-max(cw, ch) // OVERVIEW_EDGE))
+        with _LOCK:
+            if not path.is_file():
+                bands = []
+                band_rows = f * max(1, (1 << 22) // max(1, cw * f))  # ~4 Mpixel per band read
+                for y in range(0, ch, band_rows):
+                    band = inner.read(len(inner.levels) - 1, 0, y, cw, min(ch, y + band_rows))
+                    bands.append(band[::f, ::f])
+                partial = path.with_name(path.name + ".partial.npy")
+                np.save(partial, np.concatenate(bands, axis=0))
+                partial.replace(path)
+        self.overview = np.load(path, mmap_mode="r")
+        self.levels = [*inner.levels, (int(self.overview.shape[1]), int(self.overview.shape[0]))]
+
+    def read(self, level: int, x0: int, y0: int, x1: int, y1: int) -> np.ndarray:
+        if level < len(self.inner.levels):
+            return self.inner.read(level, x0, y0, x1, y1)
+        return np.asarray(self.overview[y0:y1, x0:x1])
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _needs_overview(levels: list[tuple[int, int]], tile_size: int = TILE_SIZE) -> bool:
+    """Whether the coarsest level is too fine for the whole image's Deep Zoom level 0 .. 1 tile."""
+    cw, ch = levels[-1]
+    return cw * ch > MAX_READ_PIXELS and (cw > tile_size or ch > tile_size)
+
+
+def open_pyramid(path: Path) -> Pyramid:
+    """The image at ``path`` (TIFF family, PNG or JPEG, by content) as a :class:`Pyramid`.
+
+    Raises:
+        UnsupportedMediaTypeError: not a 2D image of these formats (a NIfTI, a DICOM series).
+    """
+    kind = sniff_file(path) if path.is_file() else None
+    pyramid: Pyramid
+    if kind == "tiff":
+        try:
+            pyramid = _Slide(path)
+        except Exception:  # noqa: BLE001 - any layout tiffslide cannot read goes to tifffile
+            pyramid = _TiffLevels(path)
+    elif kind in ("png", "jpeg"):
+        pyramid = _Flat(path)
+    else:
+        raise UnsupportedMediaTypeError(f"no deep-zoom view of a {kind or 'non-image'} file: 2D images only")
+    if _needs_overview(pyramid.levels):
+        pyramid = _WithOverview(pyramid, path.with_name(path.name + _OVERVIEW_SUFFIX))
+    return pyramid
+
+
+def source_box(pyramid: Pyramid, box: TileBox) -> tuple[int, int, int, int, int]:
+    """``(k, kx0, ky0, kx1, ky1)``: the level ``k`` (largest downsample <= the tile's) and the
+    box of it under ``box``."""
+    w0, h0 = pyramid.levels[0]
+    d = box.downsample
+    k = 0
+    for j, (w, h) in enumerate(pyramid.levels):
+        if w0 / w <= d + 1e-9 and h0 / h <= d + 1e-9:
+            k = j
+    w, h = pyramid.levels[k]
+    sx, sy = w0 / w, h0 / h
+    gx0, gy0 = box.x0 * d, box.y0 * d
+    gx1, gy1 = min(w0, box.x1 * d), min(h0, box.y1 * d)
+    kx0, ky0 = min(w - 1, math.floor(gx0 / sx)), min(h - 1, math.floor(gy0 / sy))
+    kx1, ky1 = max(kx0 + 1, min(w, math.ceil(gx1 / sx))), max(ky0 + 1, min(h, math.ceil(gy1 / sy)))
+    return k, kx0, ky0, kx1, ky1
+
+
+@lru_cache(maxsize=32)
+def _window(path: str, mtime_ns: int) -> tuple[float, float]:  # noqa: ARG001 - the cache key
+    """The coarsest level's value range of a non-8-bit input (its display window)."""
+    pyramid = open_pyramid(Path(path))
+    try:
+        w, h = pyramid.levels[-1]
+        step = max(1, -(-max(w, h) // 2048))
+        data = pyramid.read(len(pyramid.levels) - 1, 0, 0, w, h)[::step, ::step].astype(np.float64)
+        finite = data[np.isfinite(data)]
+        return (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    finally:
+        pyramid.close()
+
+
+def _picture(data: np.ndarray, window: tuple[float, float] | None) -> np.ndarray:
+    """``(h, w, C)`` input data as ``(h, w, 3)`` uint8 RGB."""
+    rgb = data[..., :3] if data.shape[2] >= 3 else np.repeat(data[..., :1], 3, axis=2)
+    if rgb.dtype == np.uint8:
+        return np.ascontiguousarray(rgb)
+    lo, hi = window or (0.0, 1.0)
+    scaled = (rgb.astype(np.float64) - lo) * (255.0 / (hi - lo) if hi > lo else 0.0)
+    return np.clip(np.nan_to_num(scaled), 0, 255).astype(np.uint8)
+
+
+def _overlay(data: np.ndarray, kind: str, channel: int, window: tuple[float, float] | None) -> np.ndarray:
+    """``(h, w, C)`` output data as ``(h, w, 4)`` uint8 RGBA in the legend's colours
+    (probabilities: ``t = (v - lo) / (hi - lo)`` over ``window``, default ``[0, 1]``)."""
+    h, w = data.shape[:2]
+    out = np.zeros((h, w, 4), np.uint8)
+    if kind == "labels":
+        ids = data[..., 0].astype(np.int64)
+        out[..., :3] = _PALETTE[ids % 256]
+        out[..., 3] = np.where(ids != 0, 255, 0)
+        return out
+    if channel >= data.shape[2]:
+        raise LookupError(f"channel {channel} is past the output's {data.shape[2]} channels")
+    lo, hi = window or (0.0, 1.0)
+    values = data[..., channel].astype(np.float64)
+    t = np.clip(np.nan_to_num((values - lo) / (hi - lo if hi > lo else 1.0)), 0.0, 1.0)
+    out[..., :3] = _RAMP[np.round(t * 255).astype(np.int64)]
+    out[..., 3] = np.where(t >= RAMP_THRESHOLD, 255, 0)
+    return out
+
+
+def render_tile(
+    pyramid: Pyramid,
+    box: TileBox,
+    *,
+    role: str,
+    kind: str = "labels",
+    channel: int = 0,
+    window: tuple[float, float] | None = None,
+) -> np.ndarray:
+    """Tile ``box`` of ``pyramid`` as an RGB (``role="input"``) or RGBA (``role="result"``,
+    ``kind`` ``labels`` or ``probabilities``) uint8 array ``(y1 - y0, x1 - x0, 3 | 4)``;
+    ``window`` as :func:`display_window` gives it.
+
+    Raises:
+        LookupError: ``channel`` past the output's channels.
+    """
+    from PIL import Image
+
+    k, kx0, ky0, kx1, ky1 = source_box(pyramid, box)
+    data = pyramid.read(k, kx0, ky0, kx1, ky1)
+    size = (box.x1 - box.x0, box.y1 - box.y0)
+    if role == "input":
+        image = Image.fromarray(_picture(data, window), "RGB")
+        resample = Image.Resampling.BOX
+    else:
+        image = Image.fromarray(_overlay(data, kind, channel, window), "RGBA")
+        resample = Image.Resampling.NEAREST
+    if image.size != size:
+        image = image.resize(size, resample)
+    return np.asarray(image)
+
+
+def encode_tile(tile: np.ndarray, fmt: str) -> bytes:
+    """``tile`` as JPEG (quality 90) or PNG bytes."""
+    from PIL import Image
+
+    sink = io.BytesIO()
+    if fmt == "jpeg":
+        Image.fromarray(tile).save(sink, "JPEG", quality=90)
+    else:
+        Image.fromarray(tile).save(sink, "PNG", compress_level=3)
+    return sink.getvalue()
+
+
+def display_window(path: Path, pyramid: Pyramid, role: str, kind: str) -> tuple[float, float] | None:
+    """The value range drawn (cached per file): ``None`` for an 8-bit input or labels; for other
+    inputs the coarsest level's range; for probabilities ``[min(0, lo), hi]`` of it, as the
+    page's legend shows them."""
+    if (role == "input" and pyramid.dtype == np.uint8) or (role == "result" and kind == "labels"):
+        return None
+    lo, hi = _window(str(path), path.stat().st_mtime_ns)
+    return (min(lo, 0.0), hi) if role == "result" else (lo, hi)
