@@ -89,10 +89,10 @@ def test_a_cancellation_asked_of_another_replica_drops_a_queued_job(replica, tmp
     try:
         job_id = submit(a, tmp_path, {"tile": "16", "halo": "4"})
         assert a.store.read(job_id).state == "queued" and a.held() == [job_id]
-        asked = time.monotonic()
         b.cancel(job_id)  # b does not hold it: it flags it, and a's keeper drops it from its queue
-        record = wait_state(a.store, job_id, "cancelled", timeout=5)
-        assert time.monotonic() - asked < 1.0 and record.finished_at is not None
+        record = wait_state(a.store, job_id, "cancelled", timeout=60)
+        # dropped from the queue while a's device was still busy (not when the job came to run)
+        assert not blocker.done() and record.finished_at is not None
         assert a.held() == [] and record.tiles_done == 0
     finally:
         busy.set()
