@@ -160,10 +160,13 @@ def test_finished_jobs_keep_at_most_jobs_max_bytes_oldest_removed_first(replica,
         wait_state(service.store, ids[-1], "done")
     # the cap is applied just after the last record says done: wait for it (a loaded machine)
     deadline = time.monotonic() + 60
-    while (kept := [job_id for job_id in ids if service.store.exists(job_id)]) != ids[-2:]:
-        assert time.monotonic() < deadline, kept
+    while True:
+        kept = [job_id for job_id in ids if service.store.exists(job_id)]
+        finished = [e for e in service.store.index.entries().values() if e.finished_at is not None]
+        if kept == ids[-2:] and len(finished) == 2:
+            break
+        assert time.monotonic() < deadline, (kept, finished)
         time.sleep(0.05)
     with pytest.raises(JobNotFoundError):
         service.store.read(ids[0])
-    finished = [e for e in service.store.index.entries().values() if e.finished_at is not None]
-    assert sum(e.bytes for e in finished) <= 2.5 * size and len(finished) == 2
+    assert sum(e.bytes for e in finished) <= 2.5 * size
