@@ -36,7 +36,7 @@ from service.routes import health_router, v1_router
 from service.routes.apidocs import install_docs
 from service.routes.page import install_page
 from service.security import KeyRing
-from service.settings import Settings, get_settings
+from service.settings import Settings, get_settings, open_repository
 from service.sharing import SharedBatches
 from service.upload import UploadSlots
 from service.workdir import WorkRoot
@@ -70,16 +70,8 @@ def _load_repository(settings: Settings, built: Callable[[Any], object] | None =
     given the repository before the warm-up (``/readyz`` then names the models still warming).
     Measurements stored by an earlier start are reused (:mod:`models.measure.measured`).
     """
-    from models import ModelRepository
-
     fix_mmap_threshold(settings.mmap_threshold_bytes)  # before the warm-up measures footprints
-    repository = ModelRepository(
-        settings.models_dir,
-        device=settings.device,
-        strict=settings.strict_models,
-        measurements_dir=settings.measurements_dir,
-        user_models_dir=settings.user_models_dir,
-    )
+    repository = open_repository(settings)
     if built is not None:
         built(repository)
     names = repository.names()

@@ -46,6 +46,7 @@ from service.errors import BadParameterError, ClusterUnavailableError
 
 if TYPE_CHECKING:
     from models.model import Model
+    from models.planning.params import InferenceParams
     from models.planning.plan import RunPlan
 
 __all__ = ["LOCAL_WORKERS", "ClusterRoute", "DaskPass", "WorkerModel", "dask_client", "default_chunk"]
@@ -306,13 +307,18 @@ class ClusterRoute:
         self._client: tuple[Any, int | None] | None = None
         self._lock = threading.Lock()
 
-    def voxels_over(self, source: Path) -> int | None:
-        """The input's spatial voxel count when the job goes to the cluster, else ``None``."""
+    def voxels_over(self, source: Path, params: InferenceParams | None = None) -> int | None:
+        """The input's spatial voxel count when the job goes to the cluster, else ``None``.
+
+        ``params`` (the job's): for a DICOM upload, its ``series`` (an upload may hold several) and
+        ``tilt``, probed as the run will decode it.
+        """
         if self.address is None:
             return None
         from service.codecs import probe
+        from service.precheck import dicom_options
 
-        voxels = math.prod(probe(source).spatial_shape)
+        voxels = math.prod(probe(source, dicom=dicom_options(params)).spatial_shape)
         return voxels if voxels > self.settings.dask_min_voxels else None
 
     def client(self) -> tuple[Any, int | None]:

@@ -98,7 +98,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from PIL import Image
 from pydantic import BeforeValidator, Field, SecretStr, field_validator
@@ -107,7 +107,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from service._options import blank_to_none, bytes_with_unit, comma_list
 from service.memory import memory_limit_bytes
 
-__all__ = ["Settings", "get_settings"]
+if TYPE_CHECKING:
+    from models import ModelRepository
+
+__all__ = ["Settings", "get_settings", "open_repository"]
 
 
 class Settings(BaseSettings):
@@ -216,3 +219,22 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """Settings from the environment, built once per process."""
     return Settings()
+
+
+def open_repository(settings: Settings) -> ModelRepository:
+    """The model repository that ``settings`` describe, not warmed up: the server's, ``tilewise
+    infer``'s and ``tilewise plan``'s (``models_dir`` plus ``user_models_dir``, ``device``,
+    ``strict_models``, ``measurements_dir``).
+
+    Raises:
+        ModelError: with ``strict_models``, a model that fails to load.
+    """
+    from models import ModelRepository
+
+    return ModelRepository(
+        settings.models_dir,
+        device=settings.device,
+        strict=settings.strict_models,
+        measurements_dir=settings.measurements_dir,
+        user_models_dir=settings.user_models_dir,
+    )

@@ -226,6 +226,8 @@ def prepare(
     tmp = tempfile.TemporaryDirectory(prefix=".tilewise-", dir=folder)
     workdir = Path(tmp.name)
     prepared: Prepared | None = None
+    regions: Any = None
+    target: Any = None
     try:
         regions = open_regions(source, header, workdir)
         affine = header.info.get("affine")
@@ -272,7 +274,11 @@ def prepare(
         prepared.stages["prepare"] = time.perf_counter() - started
         return prepared
     finally:
-        if prepared is None:
+        if prepared is None:  # refused (plan, budget, output): release what was opened
+            for opened in (target, regions):
+                closer = getattr(opened, "close", None)
+                if callable(closer):
+                    closer()
             tmp.cleanup()
 
 

@@ -49,8 +49,9 @@ def session_web_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def session_measurements_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The warm-up measurements of the session (:mod:`models.measure.measured`): the first server of the
-    session measures the built-in models, every later one reads them (start in seconds)."""
+    """The model measurements of the session (:mod:`models.measure.measured`): what one app or server
+    measured (at warm-up, or at a model's first request: test servers skip the warm-up unless they
+    test it), every later one reads."""
     return tmp_path_factory.mktemp("measured")
 
 
@@ -161,8 +162,8 @@ def text_det_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ``setup_text_det`` only writes the spec; without it, ``setup_text_det`` downloads the wheel.
     """
     from models import DEFAULT_MODELS_DIR, ModelError
-    from models.zoo.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, setup_text_det
     from models.weights import sha256_file
+    from models.zoo.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, setup_text_det
 
     folder = tmp_path_factory.mktemp("models")
     installed = DEFAULT_MODELS_DIR / TEXT_DET_FILE

@@ -175,14 +175,14 @@ def _run(args: argparse.Namespace) -> int:
     status = check_cheap("infer", args.input, args.model, args.models)
     if status:
         return status
-    from models import ModelError, ModelRepository
+    from models import ModelError
     from models.planning.params import parse_params
     from service.admission import admit
     from service.codecs import configure_pillow
     from service.errors import ServiceError
     from service.memory import fix_mmap_threshold
     from service.pipeline import Limits, run_file
-    from service.settings import Settings
+    from service.settings import Settings, open_repository
     from tiling import TilingError
 
     overrides = {"models_dir": args.models, "device": args.device, "memory_budget": args.memory_budget}
@@ -194,13 +194,7 @@ def _run(args: argparse.Namespace) -> int:
     stem = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         params = parse_params(raw)
-        repository = ModelRepository(
-            settings.models_dir,
-            device=settings.device,
-            strict=settings.strict_models,
-            measurements_dir=settings.measurements_dir,
-            user_models_dir=settings.user_models_dir,
-        )
+        repository = open_repository(settings)
         limits = Limits(max_image_pixels=settings.max_image_pixels, memory_budget=settings.memory_budget)
         model = admit(repository, args.model, args.input, params, limits).model  # as the server admits
         target.parent.mkdir(parents=True, exist_ok=True)

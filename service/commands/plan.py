@@ -53,13 +53,13 @@ def _run(args: argparse.Namespace) -> int:
     status = check_cheap("plan", args.input, args.model, args.models)
     if status:
         return status
-    from models import ModelError, ModelRepository
+    from models import ModelError
     from models.planning.params import parse_params
     from service.codecs import configure_pillow
     from service.errors import ServiceError
     from service.memory import fix_mmap_threshold
     from service.pipeline import Limits
-    from service.settings import Settings
+    from service.settings import Settings, open_repository
     from tiling import TilingError
 
     overrides = {"models_dir": args.models, "device": args.device, "memory_budget": args.memory_budget}
@@ -70,12 +70,7 @@ def _run(args: argparse.Namespace) -> int:
         from service.dryrun import dry_run
 
         params = parse_params(param_values(args))
-        repository = ModelRepository(
-            settings.models_dir,
-            device=settings.device,
-            measurements_dir=settings.measurements_dir,
-            user_models_dir=settings.user_models_dir,
-        )
+        repository = open_repository(settings)
         model = repository.get(args.model)
         answer = dry_run(model, args.input, params, Limits.from_settings(settings))
         repository.store_measurements(args.model)  # the footprint, when measured now

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.planning.params import parse_query
+from models.planning.params import InferenceParams, parse_query
 from service.admission import load_model
 from service.cluster import ClusterRoute
 from service.deadline import RunDeadline
@@ -253,7 +253,7 @@ class JobService:
             )
             with contextlib.ExitStack() as stack:
                 stack.enter_context(deadline.running())
-                tiled = self._dask_pass(record, folder, progress)
+                tiled = self._dask_pass(record, folder, progress, params)
                 if tiled is not None:
                     stack.enter_context(tiled)
                 shared = self.batches.bind(model) if self.batches is not None and tiled is None else None
@@ -293,9 +293,11 @@ class JobService:
             with progress.lock:
                 self._finish(record, lease, JobState.DONE, result=result)
 
-    def _dask_pass(self, record: JobRecord, folder: Any, progress: RunProgress) -> Any:
+    def _dask_pass(
+        self, record: JobRecord, folder: Any, progress: RunProgress, params: InferenceParams
+    ) -> Any:
         """The job's :class:`~service.cluster.DaskPass` when its input goes to the cluster, else ``None``."""
-        voxels = self.cluster.voxels_over(folder / INPUT_FILE)
+        voxels = self.cluster.voxels_over(folder / INPUT_FILE, params)
         if voxels is None:
             return None
         logger.info(

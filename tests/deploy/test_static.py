@@ -62,6 +62,24 @@ def test_compose_replicas_gpu_models_health():
     assert "healthcheck" in lb
 
 
+def test_replicas_trust_forwarded_for_from_nginx_only():
+    """The per-client shares count clients, not nginx: uvicorn (``FORWARDED_ALLOW_IPS``) takes
+    ``X-Forwarded-For`` from nginx's fixed address on the backend network, and from no one else."""
+    import ipaddress
+
+    config = compose_config()
+    services, backend = config["services"], config["networks"]["backend"]
+    lb_address = ipaddress.ip_address(services["lb"]["networks"]["backend"]["ipv4_address"])
+    (pool,) = backend["ipam"]["config"]
+    assert lb_address in ipaddress.ip_network(pool["subnet"])
+    # outside the range other containers are given addresses from: none can take nginx's
+    assert lb_address not in ipaddress.ip_network(pool["ip_range"])
+    for name in ("tilewise", "tilewise-gpu"):
+        trusted = services[name]["environment"]["FORWARDED_ALLOW_IPS"]
+        assert [ipaddress.ip_address(a.strip()) for a in trusted.split(",")] == [lb_address], name
+    assert "X-Forwarded-For $proxy_add_x_forwarded_for" in NGINX_CONF.read_text()
+
+
 def test_nginx_conf_syntax(tmp_path):
     nginx = require_tool("nginx", "apt-get install -y nginx")
     conf = tmp_path / "nginx.conf"

@@ -21,92 +21,39 @@ def need(module: str) -> ModuleType:
 
 
 def write_monai_bundle(root, *, roi=(48, 48, 48), norm="batch", seed=0, code=False):
-    """A MONAI bundle as MONAI lays one out, with a random-weight ``monai.networks.nets.UNet``.
+    """The shipped example bundle (:func:`models.importers.example_bundle.write_example_bundle`, a
+    random-weight ``monai.networks.nets.UNet``) with what model-zoo bundles add around it: an
+    ``image_key`` that the transforms reference (``@image_key``), ``Invertd`` and ``SaveImaged``
+    post-transforms, an ``output_dir``; named ``Tissue UNet`` (imported as ``tissue-unet``).
 
     ``code=True`` adds the ``$`` expressions model-zoo bundles carry (``imports``, ``device``,
     ``network``, ``output_dir``): importing that bundle then needs ``--trust`` (issue 24 item 7).
-
-    ``configs/metadata.json`` (channels, label names), ``configs/inference.json`` (Orientationd +
-    Spacingd + ScaleIntensityRanged, SlidingWindowInferer, softmax + argmax post-transforms) and
-    ``models/model.pt`` (the state dict; batch-norm statistics randomized so they matter).
     Returns the network (eval mode).
     """
     import json
 
-    import torch
+    need("monai.networks.nets")
+    from models.importers.example_bundle import write_example_bundle
 
-    nets = need("monai.networks.nets")
-    torch.manual_seed(seed)
-    arch = {
-        "spatial_dims": 3,
-        "in_channels": 1,
-        "out_channels": 3,
-        "channels": [8, 16, 32],
-        "strides": [2, 2],
-    }
-    net = nets.UNet(**arch, num_res_units=1, norm=norm)
-    for m in net.modules():
-        if isinstance(m, torch.nn.BatchNorm3d):
-            m.running_mean.uniform_(-0.2, 0.2)
-            m.running_var.uniform_(0.5, 1.5)
-    (root / "configs").mkdir(parents=True, exist_ok=True)
-    (root / "models").mkdir(exist_ok=True)
-    torch.save(net.state_dict(), root / "models" / "model.pt")
-    labels = {"0": "background", "1": "grey matter", "2": "white matter"}
-    image = {
-        "type": "image",
-        "format": "magnitude",
-        "modality": "MR",
-        "num_channels": 1,
-        "dtype": "float32",
-        "spatial_shape": list(roi),
-        "value_range": [0, 1],
-        "is_patch_data": True,
-        "channel_def": {"0": "T1"},
-    }
-    pred = {
-        "type": "image",
-        "format": "segmentation",
-        "num_channels": 3,
-        "dtype": "float32",
-        "spatial_shape": list(roi),
-        "value_range": [0, 1],
-        "is_patch_data": True,
-        "channel_def": labels,
-    }
-    meta = {"version": "0.1.0", "name": "Tissue UNet", "monai_version": "1.6.1", "pytorch_version": "2.13.0",
-            "network_data_format": {"inputs": {"image": image}, "outputs": {"pred": pred}}}  # fmt: skip
+    net = write_example_bundle(root, network="UNet", roi=tuple(roi), norm=norm, seed=seed)
+    meta_path = root / "configs" / "metadata.json"
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    meta_path.write_text(json.dumps({**meta, "name": "Tissue UNet"}, indent=1), encoding="utf-8")
+    path = root / "configs" / "inference.json"
+    shipped = json.loads(path.read_text(encoding="utf-8"))
     key = "@image_key"
-    config = {
-        "bundle_root": ".",
-        "image_key": "image",
-        "output_dir": "eval",
-        "network_def": {"_target_": "UNet", **arch, "num_res_units": 1, "norm": norm},
-        "preprocessing": {"_target_": "Compose", "transforms": [
-            {"_target_": "LoadImaged", "keys": key},
-            {"_target_": "EnsureChannelFirstd", "keys": key},
-            {"_target_": "Orientationd", "keys": key, "axcodes": "RAS"},
-            {"_target_": "Spacingd", "keys": key, "pixdim": [1.0, 1.0, 1.0], "mode": "bilinear"},
-            {"_target_": "ScaleIntensityRanged", "keys": key, "a_min": 0, "a_max": 100, "b_min": 0.0,
-             "b_max": 1.0, "clip": True},
-            {"_target_": "EnsureTyped", "keys": key},
-        ]},
-        "inferer": {"_target_": "SlidingWindowInferer", "roi_size": list(roi), "sw_batch_size": 2,
-                    "overlap": 0.25, "mode": "gaussian"},
-        "postprocessing": {"_target_": "Compose", "transforms": [
-            {"_target_": "Activationsd", "keys": "pred", "softmax": True},
-            {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": key,
-             "nearest_interp": False, "to_tensor": True},
-            {"_target_": "AsDiscreted", "keys": "pred", "argmax": True},
-            {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "resample": False},
-        ]},
-    }  # fmt: skip
+    for transform in shipped["preprocessing"]["transforms"]:
+        transform["keys"] = key
+    post = shipped["postprocessing"]["transforms"]  # Activationsd, AsDiscreted
+    post.insert(1, {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": key,
+                    "nearest_interp": False, "to_tensor": True})  # fmt: skip
+    post.append({"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "resample": False})
+    config = {"bundle_root": ".", "image_key": "image", "output_dir": "eval", **shipped}
     if code:
         config.update({"imports": ["$import glob", "$import os"], "output_dir": "$@bundle_root + '/eval'",
                        "device": "$torch.device('cpu')", "network": "$@network_def.to(@device)"})  # fmt: skip
-    (root / "configs" / "metadata.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    (root / "configs" / "inference.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
-    return net.eval()
+    path.write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return net
 
 
 def nnunet_plans(

@@ -102,13 +102,17 @@ def start_server(
     """Start ``uvicorn --factory service.app:create_app`` with ``TILEWISE_*`` variables, or
     ``tilewise serve --port P *cli_args`` when ``cli_args`` is given; on ``port`` (default: a free
     one) so that a test can restart a server where its clients expect it. The one way tests start
-    servers; ``TILEWISE_MODELS_DIR`` defaults to the test session's empty folder (built-ins only).
+    servers; ``TILEWISE_MODELS_DIR`` defaults to the test session's empty folder (built-ins only),
+    and ``TILEWISE_WARMUP`` to ``false`` (``warmup="true"`` for a test of the warm-up).
     ``timeout_s`` is the longest time without progress: each model warmed (``/readyz``'s
     ``warming`` list shrinking) restarts it, so a loaded machine is slow but not a failure."""
     port = free_port() if port is None else port
     log = tmp_dir / f"server-{port}.log"
     environ = clean_env(**{f"TILEWISE_{k.upper()}": v for k, v in env.items()})
     environ.setdefault("TILEWISE_DEVICE", "cpu")
+    # No warm-up unless a test asks for it (``warmup="true"``): a model is then measured when a
+    # request first needs it, not every built-in model at every start (minutes on a loaded machine).
+    environ.setdefault("TILEWISE_WARMUP", "false")
     environ.setdefault("TILEWISE_TMP_DIR", str(tmp_dir))
     environ["PYTHONPATH"] = str(REPO) + os.pathsep + environ.get("PYTHONPATH", "")
     environ.setdefault("OMP_NUM_THREADS", "2")

@@ -79,20 +79,22 @@ def test_two_keys_never_see_each_others_jobs_and_admin_sees_both(server: Server)
     assert _done(server, BOB, b_id)["state"] == "done"
     url = server.url
     for key, own, other in ((ALICE, a_id, b_id), (BOB, b_id, a_id)):
-        listed = [j["id"] for j in httpx.get(f"{url}/v1/jobs", headers=_auth(key)).json()]
+        listed = [j["id"] for j in httpx.get(f"{url}/v1/jobs", headers=_auth(key), timeout=60).json()]
         assert own in listed and other not in listed
         for path in (f"/v1/jobs/{other}", f"/v1/jobs/{other}/result", f"/v1/jobs/{other}/events"):
-            answer = httpx.get(url + path, headers=_auth(key))
+            answer = httpx.get(url + path, headers=_auth(key), timeout=60)
             assert answer.status_code == 404 and answer.json()["error"] == "unknown_job", path
-        cancel = httpx.delete(f"{url}/v1/jobs/{other}", headers=_auth(key))
+        cancel = httpx.delete(f"{url}/v1/jobs/{other}", headers=_auth(key), timeout=60)
         assert cancel.status_code == 404
-        assert httpx.get(f"{url}/v1/jobs/{own}/result", headers=_auth(key)).status_code == 200
-    listed = [j["id"] for j in httpx.get(f"{url}/v1/jobs", headers=_auth(ADMIN)).json()]
+        assert httpx.get(f"{url}/v1/jobs/{own}/result", headers=_auth(key), timeout=60).status_code == 200
+    listed = [j["id"] for j in httpx.get(f"{url}/v1/jobs", headers=_auth(ADMIN), timeout=60).json()]
     assert a_id in listed and b_id in listed
     for job_id in (a_id, b_id):
-        assert httpx.get(f"{url}/v1/jobs/{job_id}/result", headers=_auth(ADMIN)).status_code == 200
-    assert httpx.get(f"{url}/v1/jobs", headers=_auth("not-a-key-at-all-xx")).status_code == 401
-    assert httpx.get(f"{url}/v1/jobs").status_code == 401
+        assert (
+            httpx.get(f"{url}/v1/jobs/{job_id}/result", headers=_auth(ADMIN), timeout=60).status_code == 200
+        )
+    assert httpx.get(f"{url}/v1/jobs", headers=_auth("not-a-key-at-all-xx"), timeout=60).status_code == 401
+    assert httpx.get(f"{url}/v1/jobs", timeout=60).status_code == 401
 
 
 def test_one_idempotency_key_of_two_owners_makes_two_jobs(server: Server) -> None:
@@ -114,11 +116,11 @@ def test_reload_needs_the_admin_key(server: Server) -> None:
 
 def test_unknown_hosts_are_refused_but_probes_answer(server: Server) -> None:
     evil = {"Host": "rebind.attacker.example"}
-    answer = httpx.get(f"{server.url}/v1/models", headers={**evil, **_auth(ALICE)})
+    answer = httpx.get(f"{server.url}/v1/models", headers={**evil, **_auth(ALICE)}, timeout=60)
     assert answer.status_code == 400 and answer.json()["error"] == "bad_host"
-    assert httpx.get(f"{server.url}/healthz", headers=evil).status_code == 200
+    assert httpx.get(f"{server.url}/healthz", headers=evil, timeout=60).status_code == 200
     named = httpx.get(
-        f"{server.url}/v1/models", headers={"Host": "tilewise.example.org:8080", **_auth(ALICE)}
+        f"{server.url}/v1/models", headers={"Host": "tilewise.example.org:8080", **_auth(ALICE)}, timeout=60
     )
     assert named.status_code == 200
 
@@ -129,11 +131,14 @@ def test_cross_site_posts_are_refused_whatever_their_content_type(server: Server
     if content_type:
         headers["Content-Type"] = content_type
     for path in ("/v1/models/reload", f"/v1/jobs?model={MODEL}", f"/v1/models/{MODEL}/infer"):
-        answer = httpx.post(server.url + path, content=b"x", headers=headers)
+        answer = httpx.post(server.url + path, content=b"x", headers=headers, timeout=60)
         assert answer.status_code == 403 and answer.json()["error"] == "cross_origin", path
     fetch = {"Sec-Fetch-Site": "cross-site", **_auth(ADMIN)}
-    assert httpx.post(f"{server.url}/v1/models/reload", headers=fetch).status_code == 403
-    assert "access-control-allow-origin" not in httpx.get(f"{server.url}/v1/models", headers=headers).headers
+    assert httpx.post(f"{server.url}/v1/models/reload", headers=fetch, timeout=60).status_code == 403
+    assert (
+        "access-control-allow-origin"
+        not in httpx.get(f"{server.url}/v1/models", headers=headers, timeout=60).headers
+    )
 
 
 def test_same_origin_pages_and_plain_clients_pass(server: Server) -> None:

@@ -6,6 +6,7 @@ referencing the source series, with one segment per tissue label."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import time
 import zipfile
@@ -174,3 +175,31 @@ def test_batch_client_runs_a_study_from_dicomweb(tmp_path: Path) -> None:
     assert output.name == f"{source.SeriesInstanceUID}.dcm"
     seg = pydicom.dcmread(output)
     assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == source.SeriesInstanceUID
+
+
+def test_a_cluster_route_probes_the_named_series(make_settings: Any, tmp_path: Path) -> None:
+    """With ``TILEWISE_DASK_SCHEDULER`` set, a job's input is probed for its size before it runs; an
+    upload of several series with ``series=`` names the one to probe (and run), as the run decodes it.
+    The scheduler is never reached: the series is below ``TILEWISE_DASK_MIN_VOXELS``."""
+    uid = str(pydicom.dcmread(sorted(CT5N.iterdir())[0], stop_before_pixels=True).SeriesInstanceUID)
+    files = [("file", (p.name, p.read_bytes())) for p in sorted(DIRTESTS.rglob("*")) if p.is_file()]
+    settings = make_settings(
+        tmp_dir=tmp_path,
+        jobs_dir=tmp_path / "jobs",
+        dask_scheduler="tcp://127.0.0.1:9",
+        dask_min_voxels=10**9,
+    )
+    app = create_app(settings, repository=ModelRepository("/nonexistent", device="cpu"))
+    with InProcessClient(app) as client:
+        answer = client.post("/v1/jobs", params={"model": "gaussian-3d", "series": uid}, files=files)
+        assert answer.status_code == 202, answer.text
+        status = _wait(client, answer.json()["id"])
+        assert status["state"] == "done", status
+        result = client.get(f"/v1/jobs/{status['id']}/result")
+        alone = client.post(
+            "/v1/models/gaussian-3d/infer", files=[("file", (p.name, p.read_bytes())) for p in CT5N.iterdir()]
+        )
+    assert status.get("cluster") is None
+    assert result.status_code == alone.status_code == 200
+    a, b = (nib.Nifti1Image.from_bytes(gzip.decompress(r.content)) for r in (result, alone))
+    assert a.shape == (16, 16, 5) and np.array_equal(a.get_fdata(), b.get_fdata())

@@ -139,9 +139,10 @@ def test_stalled_uploads_hold_no_inference_slot(server: Server) -> None:
     for t in threads:
         t.join(30)
     assert sorted(results) == [0, 1, 2]
-    for status, error, seconds in results.values():
+    for status, error, _ in results.values():
         assert status == 408 and error["error"] == "upload_timeout", error
-        assert seconds < 10, seconds
+        detail = error["detail"]  # the rate rule, not the idle timeout
+        assert "slower than" in detail and "upload_min_rate=" in detail, detail
 
 
 def test_a_client_that_disconnects_stops_its_run(server: Server) -> None:
@@ -156,10 +157,12 @@ def test_a_client_that_disconnects_stops_its_run(server: Server) -> None:
             f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        deadline = time.monotonic() + 60
+        sent_at = time.monotonic()
+        deadline = sent_at + 60
         while tiles_total(server) - before < 50:
             assert time.monotonic() < deadline, "the run never started counting tiles"
             time.sleep(0.1)
+        per_tile_s = (time.monotonic() - sent_at) / 50  # here and now (an upper bound)
     # The socket is closed: the run stops at its next batch.
     time.sleep(1.0)
     stopped = tiles_total(server)
@@ -171,7 +174,9 @@ def test_a_client_that_disconnects_stops_its_run(server: Server) -> None:
     response = httpx.post(
         f"{server.url}/v1/models/{MODEL}/infer?format=nii", content=nifti((16,) * 3), timeout=60
     )
-    assert response.status_code == 200 and time.monotonic() - started < 15
+    waited_s = time.monotonic() - started
+    left_s = (13824 - (stopped - before)) * per_tile_s  # what the abandoned run had left
+    assert response.status_code == 200 and waited_s < 0.25 * left_s, (waited_s, left_s)
 
 
 def _process_folders(root: Path) -> list[Path]:

@@ -106,16 +106,20 @@ def test_routes_need_the_key_and_ids_never_become_paths(server: Server, client: 
 def test_cancel_stops_the_network_within_a_batch(server: Server, client: httpx.Client, tmp_path):
     # 4,096 tiles of 12^3, one per batch: tens of seconds of work.
     query = {"model": MODEL, "tile": "12", "halo": "4", "batch_size": "1"}
+    submitted = time.monotonic()
     job = client.post("/v1/jobs", params=query, content=nifti((64, 64, 64))).json()
     wait_for(lambda: client.get(f"/v1/jobs/{job['id']}").json()["tiles_done"] >= 20, 60, "20 tiles")
+    per_tile_s = (time.monotonic() - submitted) / 20  # this machine, under its present load (an upper bound)
     early = client.get(f"/v1/jobs/{job['id']}/result")
     assert early.status_code == 409 and early.json()["error"] == "job_not_done"
     cancelled_at = time.monotonic()
     answer = client.delete(f"/v1/jobs/{job['id']}")
     assert answer.status_code == 202
-    status = wait_state(client, job["id"], ("cancelled",), timeout=10)
-    assert time.monotonic() - cancelled_at < 5  # one batch of one 12^3 tile is milliseconds
+    status = wait_state(client, job["id"], ("cancelled",), timeout=60)
     assert status["finished"] is not None and status["tiles_done"] < status["tiles_total"]
+    # stopped at once: in a small part of the time its remaining tiles would have taken
+    left_s = (status["tiles_total"] - status["tiles_done"]) * per_tile_s
+    assert time.monotonic() - cancelled_at < 0.25 * left_s, (time.monotonic() - cancelled_at, left_s)
     tiles = metric(server.url, "tilewise_tiles_total", model=MODEL)
     cpu = cpu_seconds(server.pid)
     time.sleep(2.0)

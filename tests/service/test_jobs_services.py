@@ -89,10 +89,10 @@ def test_a_cancellation_asked_of_another_replica_drops_a_queued_job(replica, tmp
     try:
         job_id = submit(a, tmp_path, {"tile": "16", "halo": "4"})
         assert a.store.read(job_id).state == "queued" and a.held() == [job_id]
-        asked = time.monotonic()
         b.cancel(job_id)  # b does not hold it: it flags it, and a's keeper drops it from its queue
-        record = wait_state(a.store, job_id, "cancelled", timeout=5)
-        assert time.monotonic() - asked < 1.0 and record.finished_at is not None
+        record = wait_state(a.store, job_id, "cancelled", timeout=60)
+        # dropped from the queue while a's device was still busy (not when the job came to run)
+        assert not blocker.done() and record.finished_at is not None
         assert a.held() == [] and record.tiles_done == 0
     finally:
         busy.set()
@@ -158,9 +158,15 @@ def test_finished_jobs_keep_at_most_jobs_max_bytes_oldest_removed_first(replica,
     for _ in range(3):
         ids.append(submit(service, tmp_path, {"tile": "16", "halo": "4"}))
         wait_state(service.store, ids[-1], "done")
-    kept = [job_id for job_id in ids if service.store.exists(job_id)]
-    assert kept == ids[-2:]
+    # the cap is applied just after the last record says done: wait for it (a loaded machine)
+    deadline = time.monotonic() + 60
+    while True:
+        kept = [job_id for job_id in ids if service.store.exists(job_id)]
+        finished = [e for e in service.store.index.entries().values() if e.finished_at is not None]
+        if kept == ids[-2:] and len(finished) == 2:
+            break
+        assert time.monotonic() < deadline, (kept, finished)
+        time.sleep(0.05)
     with pytest.raises(JobNotFoundError):
         service.store.read(ids[0])
-    finished = [e for e in service.store.index.entries().values() if e.finished_at is not None]
-    assert sum(e.bytes for e in finished) <= 2.5 * size and len(finished) == 2
+    assert sum(e.bytes for e in finished) <= 2.5 * size

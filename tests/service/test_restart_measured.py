@@ -24,7 +24,7 @@ def test_restart_is_ready_in_a_fraction_of_the_first_start(tmp_path: Path) -> No
     measured = tmp_path / "measured"
     options = ("--measurements-dir", str(measured))
     start = time.perf_counter()
-    server = start_server(tmp_path, cli_args=options, log_level="INFO")
+    server = start_server(tmp_path, cli_args=options, log_level="INFO", warmup="true")
     first_s = time.perf_counter() - start
     try:
         assert httpx.get(f"{server.url}/readyz", timeout=10).json()["status"] == "ready"
@@ -37,7 +37,7 @@ def test_restart_is_ready_in_a_fraction_of_the_first_start(tmp_path: Path) -> No
     assert any(f.startswith("tissue-3d-") for f in files), files
 
     start = time.perf_counter()
-    again = start_server(tmp_path, cli_args=options, log_level="INFO")
+    again = start_server(tmp_path, cli_args=options, log_level="INFO", warmup="true")
     second_s = time.perf_counter() - start
     stop_server(again)
     second_log = again.log.read_text(errors="replace")

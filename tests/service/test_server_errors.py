@@ -183,7 +183,7 @@ def test_upload_limit_stops_reading_early(server: Server, server_tmp: Path) -> N
         sender.join(60)
     assert reply.startswith("HTTP/1.1 413"), reply[:200]
     assert "stopped reading after" in reply
-    assert httpx.get(f"{server.url}/healthz").status_code == 200
+    assert httpx.get(f"{server.url}/healthz", timeout=60).status_code == 200
     _assert_no_temporary_files(server_tmp)
 
 
@@ -247,7 +247,7 @@ def test_api_key_with_tilewise_serve(tmp_path: Path, anatomical_path: Path, mode
 
 def _metric(url: str, prefix: str) -> float:
     total = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
         if line.startswith(prefix):
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -292,7 +292,7 @@ def test_client_that_disconnects_frees_its_queue_slot(server: Server, anatomical
     slow.join(300)
     assert result == [200]
     assert _metric(server.url, 'tilewise_requests_total{model="gaussian-3d",status="499"}') == gone_before + 1
-    assert httpx.get(f"{server.url}/healthz").status_code == 200
+    assert httpx.get(f"{server.url}/healthz", timeout=60).status_code == 200
 
 
 def test_full_upload_bound_refuses_an_upload_before_reading_it(
@@ -336,7 +336,7 @@ def test_full_upload_bound_refuses_an_upload_before_reading_it(
         # The clients went away mid-upload: their places are free again.
         assert _wait_for(lambda: not requests())
         response = httpx.post(
-            f"{server.url}/v1/models/gaussian-3d/infer", content=anatomical_path.read_bytes()
+            f"{server.url}/v1/models/gaussian-3d/infer", content=anatomical_path.read_bytes(), timeout=60
         )
         assert response.status_code == 200, response.text
         _assert_no_temporary_files(tmp_path)

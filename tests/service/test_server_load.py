@@ -25,7 +25,7 @@ QUEUE_SIZE = 2
 
 
 def _queue_depth(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
         if line.startswith("tilewise_queue_depth "):
             return float(line.split()[1])
     raise AssertionError("no tilewise_queue_depth in /metrics")
@@ -96,7 +96,7 @@ def test_concurrent_requests_against_a_small_queue(tmp_path: Path, models_dir: P
         )  # fmt: skip
         assert after <= 1.10 * idle, (idle, peak, after)
         assert server.alive()
-        assert httpx.get(f"{server.url}/healthz").status_code == 200
+        assert httpx.get(f"{server.url}/healthz", timeout=60).status_code == 200
         assert not list(tmp_path.glob("tilewise-*"))
     finally:
         stop_server(server)

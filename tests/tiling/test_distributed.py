@@ -246,12 +246,12 @@ def test_should_stop_cancels_a_cluster_run(zarr_mod, tmp_path, rng):
         as cluster,
         distributed.Client(cluster, set_as_default=False) as c,
     ):  # fmt: skip
-        started = time.monotonic()
         with pytest.raises(RunCancelledError):
             tiled_inference_dask(z, NetFactory(c_in=1, delay_s=0.2), halo=2, tile_shape=8, chunk_shape=8,
                                  out=tmp_path / "out.zarr", client=c,
                                  should_stop=lambda: time.monotonic() > deadline)  # fmt: skip
-        assert time.monotonic() - started < 27 * 0.2
+    # stopped well before the end: counted in chunks written, not seconds (a loaded machine is slow)
+    assert _chunk_files(tmp_path / "out.zarr") < 27
 
 
 def test_tile_dependent_refused_across_chunks_allowed_in_one(rng):

@@ -23,10 +23,6 @@ def _open(page: Any, url: str) -> None:
     page.wait_for_function("() => !document.getElementById('model').disabled")
 
 
-@pytest.mark.skip(
-    reason="the cancel status now carries the tile count and job owners changed the flow; to be "
-    "re-checked (closing note, wave 3 session 1)"
-)
 def test_cancel_during_a_run(server, new_page, recorder, mni_path) -> None:
     page = new_page()
     _open(page, f"{server.url}/")
@@ -53,7 +49,11 @@ def test_cancel_during_a_run(server, new_page, recorder, mni_path) -> None:
     answer = httpx.get(f"{server.url}/v1/jobs/{job['id']}", timeout=10).json()
     assert answer["state"] == "cancelled"
     assert answer["tiles_done"] < answer["tiles_total"]
-    assert page.is_hidden("#result") and page.is_enabled("#run")
+    assert page.is_enabled("#run")
+    # the input shown when it was chosen stays in view, with no output over it and nothing to download
+    assert page.is_visible("#view3d") and page.is_hidden("#download")
+    assert page.evaluate("() => window.tilewise.volumes.nv.volumes.length") == 1
+    assert page.inner_text("#legend") == "" and page.inner_text("#facts") == ""
     assert float(page.get_attribute("#progress", "value")) < 1
     recorder.check()
 

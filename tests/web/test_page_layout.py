@@ -66,13 +66,10 @@ def test_layout(server, new_page, recorder, page_png, artifacts, width, height, 
     recorder.check()
 
 
-@pytest.mark.skip(
-    reason="the page gained the key and PACS forms and the input preview; the tab order after a "
-    "run is to be re-specified (closing note, wave 3 session 1)"
-)
 def test_keyboard_only(server, new_page, recorder, page_png) -> None:
-    """Tab reaches every control in reading order; Enter or Space opens the file chooser, opens
-    the options, runs; the opacity slider answers the arrow keys. Every control has a label."""
+    """Tab reaches every control in reading order (form, Run, the result, then the PACS form);
+    Enter or Space opens the file chooser, opens the options, runs; the opacity slider answers the
+    arrow keys. Every control has a label."""
     page = new_page()
     choosers: list[Any] = []
     page.on("filechooser", lambda chooser: choosers.append(chooser))
@@ -107,6 +104,16 @@ def test_keyboard_only(server, new_page, recorder, page_png) -> None:
         page.keyboard.press("Tab")
         order.append(page.evaluate(_ACTIVE))
     assert order == ["canvas-box", "opacity", "download"]  # Cancel is disabled again: skipped
+    # then the other way in, the PACS form (under the form on screen, after the result in the source)
+    page.keyboard.press("Tab")
+    assert page.evaluate("() => document.activeElement.parentElement.id") == "pacs"
+    page.keyboard.press("Enter")  # opens it
+    assert page.evaluate("() => document.getElementById('pacs').open")
+    order = []
+    for _ in range(4):
+        page.keyboard.press("Tab")
+        order.append(page.evaluate(_ACTIVE))
+    assert order == ["pacs-study", "pacs-series", "pacs-store", "pacs-run"]
     page.focus("#opacity")
     page.keyboard.press("ArrowLeft")
     assert page.text_content("#opacity-value") == "55 %"
