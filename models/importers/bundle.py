@@ -4,13 +4,14 @@ Read with MONAI's own ``ConfigParser`` (references and expressions resolved as M
 
 - ``configs/metadata.json``: input and output channels (``network_data_format``), label names
   (``outputs.pred.channel_def``), the bundle's name.
-- ``configs/inference.json`` (or ``.yaml``): ``preprocessing`` (Orientationd -> ``orientation``,
-  Spacingd -> ``spacing``, ScaleIntensityRanged -> ``scale_range``, NormalizeIntensityd ->
-  ``zscore`` / ``normalize``; loading, channel-first and type conversions are what tilewise's codecs
-  do anyway), ``inferer`` (``roi_size`` -> ``tile``, ``sw_batch_size`` -> ``batch_size``; for a
-  tile-dependent network ``overlap`` and ``mode`` -> ``overlap``, ``blend``; a local one gets
-  ``halo: auto`` instead, which makes the tiles exact), ``postprocessing`` (Activationsd ->
-  ``output.activation``, AsDiscreted argmax -> ``output.kind: labels``; Invertd and SaveImaged are
+- ``configs/inference.json`` (or ``.yaml``): ``preprocessing`` (Orientationd -> ``orientation``, Spacingd
+  -> ``spacing`` with ``resampling: corners`` (MONAI's grid: the first voxel centres kept, ``round((n-1)
+  * zoom / pixdim + 1)`` voxels of exactly ``pixdim``), ScaleIntensityRanged -> ``scale_range``,
+  NormalizeIntensityd -> ``zscore`` / ``normalize``; loading, channel-first and type conversions are what
+  tilewise's codecs do anyway), ``inferer`` (``roi_size`` -> ``tile``, ``sw_batch_size`` ->
+  ``batch_size``; for a tile-dependent network ``overlap`` and ``mode`` -> ``overlap``, ``blend``; a
+  local one gets ``halo: auto`` instead, which makes the tiles exact), ``postprocessing`` (Activationsd
+  -> ``output.activation``, AsDiscreted argmax -> ``output.kind: labels``; Invertd and SaveImaged are
   what tilewise does with every output).
 - the network: ``network_def`` instantiated by the parser with ``models/model.pt`` loaded strictly,
   else ``models/model.ts``; exported wrapped in :class:`~models.importers.convert.PadToShape`
@@ -182,7 +183,9 @@ def _preprocessing(steps: list[tuple[str, dict[str, Any]]], dims: int, where: st
                         "mapped "
                         "(tilewise resamples images linearly to one positive spacing per axis)"
                     )
+                _check_spacing_options(a, where)
                 out["spacing"] = pixdim[:dims]
+                out["resampling"] = "corners"  # Spacing's compute_shape_offset, scale_extent=False
             elif name == "ScaleIntensityRanged":
                 if a.get("b_min") is None or a.get("b_max") is None:
                     raise ImportRefusedError(f"{where}: transform ScaleIntensityRanged needs b_min and b_max")
@@ -206,6 +209,27 @@ def _preprocessing(steps: list[tuple[str, dict[str, Any]]], dims: int, where: st
             else:
                 raise ImportRefusedError(f"{where}: pre-transform {name} cannot be mapped")
     return out
+
+
+#: Spacingd options tilewise reproduces, with the value it reproduces (MONAI's defaults).
+_SPACING_OPTIONS = {
+    "scale_extent": False,
+    "align_corners": False,
+    "padding_mode": "border",
+    "diagonal": False,
+}
+
+
+def _check_spacing_options(args: dict[str, Any], where: str) -> None:
+    """Refuse a Spacingd option other than MONAI's default, by name (the grid would differ)."""
+    for key, default in _SPACING_OPTIONS.items():
+        value = args.get(key, default)
+        value = str(getattr(value, "value", value)).lower() if isinstance(default, str) else value
+        if value is not None and value != default:
+            raise ImportRefusedError(
+                f"{where}: transform Spacingd({key}={value}) cannot be mapped "
+                f"(tilewise places MONAI's grid as Spacingd({key}={default}) does)"
+            )
 
 
 def _number_or_list(value: Any) -> Any:
