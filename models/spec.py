@@ -16,6 +16,7 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     scale: 1                      # output voxels per input voxel
     receptive_field: [10, 10, 10] # radius per axis in voxels, when known (else measured)
     tile_dependent: false         # instance norm / attention / global pooling (absent: probed at warm-up)
+    fixed_tile: false             # the network takes exactly defaults.tile (a transformer's img_size)
     spacing: [1.0, 1.0, 1.0]      # mm per spatial axis the network was trained at (inputs resampled)
     resampling: extent            # where the resampled grid lies: extent (nnU-Net) | corners (MONAI)
     orientation: RAS              # axis codes the network was trained in (3-D; inputs reoriented)
@@ -216,6 +217,7 @@ class ModelSpec(BaseModel):
     scale: Positive = 1
     receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
     tile_dependent: StrictBool | None = None
+    fixed_tile: StrictBool = False
     spacing: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)], ...] | None = None
     resampling: Resampling = Resampling.EXTENT
     orientation: Annotated[StrictStr, AfterValidator(_orientation)] | None = None

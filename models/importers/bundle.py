@@ -25,6 +25,10 @@ to the image edge, each window's whole output averaged (``mode: constant``) or w
 gaussian of sigma ``roi / 8`` (``mode: gaussian``; MONAI floors its N-D weights at 1e-3, tilewise
 its per-axis weights at 1e-6, so where every window covering a voxel is in its far tail the two
 differ). A local network keeps exact tiles (``halo: auto``) along axes longer than ``roi_size``.
+Transformers (UNETR, SwinUNETR: self-attention over patch tokens) take exactly one input size:
+``fixed_tile: true``, the tile and alignment are the window (UNETR's ``img_size``, which must be
+the ``roi_size``), tile-dependent, with MONAI's blended windows (``overlap``, ``mode``); the traced
+graph runs at that size only (smaller inputs are padded to it, as MONAI pads them).
 Multi-label outputs (``Activationsd(sigmoid=True)`` over several channels) are probabilities:
 ``output=labels`` is refused for them by name (one label per voxel cannot hold two); an
 ``AsDiscreted(threshold=0.5)`` after a sigmoid is that threshold (labels for one channel).
@@ -363,6 +367,8 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
                 "(multi-label) cannot be mapped: one label per voxel cannot hold two"
             )
         roi_shape = [int(v) for v in _as_list(roi, dims)] if inferer == "SlidingWindowInferer" else None
+        if facts.fixed_shape is not None:  # a transformer: its one input size is the window
+            roi_shape = list(facts.fixed_shape)
         tile = roi_shape or [96 if dims == 3 else 256] * dims
         align = list(facts.alignment_per_axis)  # per axis: an anisotropic network's own strides
         tile = [-(-t // a) * a for t, a in zip(tile, align, strict=True)]
@@ -378,13 +384,16 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         models_dir.mkdir(parents=True, exist_ok=True)
         weights = models_dir / f"{name}{FORMATS[fmt]}"
         small = [max(a, t // 2 // a * a) for t, a in zip(tile, align, strict=True)]
+        larger = [t + a for t, a in zip(tile, align, strict=True)]
+        if facts.fixed_shape is not None:  # smaller inputs padded to the window; none larger
+            small, larger = [t // 2 + 1 for t in tile], tile
         diff = export_network(
             network,
             weights,
             fmt=fmt,
             in_channels=facts.in_channels,
             core_shape=tile,
-            check_shapes=[small, [t + a for t, a in zip(tile, align, strict=True)]],
+            check_shapes=[small, larger],
             wrap=(lambda net: PadToShape(net, roi_shape)) if roi_shape else None,
             name=name,
         )
@@ -400,6 +409,7 @@ def import_bundle(source: Path, *, name: str | None, models_dir: Path, fmt: str)
         **({"receptive_field": list(facts.receptive_field)} if facts.receptive_field else {}),
         "tile_dependent": facts.tile_dependent,
         **({"padding": "centred-monai"} if roi_shape else {}),
+        **({"fixed_tile": True} if facts.fixed_shape is not None else {}),
         **{k: v for k, v in pre.items() if k != "preprocess"},
         "preprocess": pre["preprocess"],
         "output": output,
