@@ -66,7 +66,10 @@ def _monai_sliding_window(bundle: Path, path: Path) -> np.ndarray:
     return np.asarray(torch.softmax(torch.as_tensor(logits[0]), 0))
 
 
-@pytest.mark.parametrize("network", ["UNETR", "SwinUNETR"])
+@pytest.mark.parametrize(
+    "network",
+    ["UNETR", pytest.param("SwinUNETR", marks=pytest.mark.slow)],  # Swin: ~25 s of CPU
+)
 def test_transformer_bundle_imports_with_its_window_and_serves_monai_windows(
     network: str, tmp_path: Path, make_settings: Any, rng: np.random.Generator
 ) -> None:
