@@ -202,8 +202,10 @@ def size_plan(
     ``output_on_disk`` are the request's own (:func:`models.planning.cost.peak_bytes`): a budget bounds the
     whole request.
     """
-    if spec.fixed_tile and tile != spec.defaults.tile:
-        fixed = ",".join(map(str, spec.defaults.tile or ()))
+    window = spec.defaults.tile
+    window_t = (window,) * len(shape) if isinstance(window, int) else tuple(window or ())
+    if spec.fixed_tile and tile != window_t:
+        fixed = ",".join(map(str, window_t))
         raise ParamError(
             f"tile={','.join(map(str, tile))}: model {spec.name!r} takes exactly tile={fixed} (a "
             "transformer's input size, fixed by its patch grid); leave tile unset"
