@@ -197,3 +197,16 @@ def test_spacingd_options_tilewise_cannot_place_are_refused_by_name(
     assert main(["import-model", str(tmp_path / "b"), "--models", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"Spacingd({option}=" in err[0]
+
+
+def test_extent_grid_is_nnunet_compute_new_shape() -> None:
+    """nnU-Net folders keep nnU-Net's own rule: ``round(n * zoom / spacing)`` (``compute_new_shape``)."""
+    resampling = need("nnunetv2.preprocessing.resampling.default_resampling")
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        shape = tuple(int(n) for n in rng.integers(1, 300, 3))
+        zooms = tuple(float(z) for z in rng.choice([0.5, 0.7, 0.8, 1.0, 1.25, 1.5, 3.0], 3))
+        spacing = tuple(float(s) for s in rng.choice([0.5, 1.0, 1.5, 2.0, 3.0], 3))
+        plan = plan_geometry(shape, zooms_mm=zooms, spacing_mm=spacing)  # extent: the default
+        expected = resampling.compute_new_shape(shape, zooms, spacing)
+        assert plan.model_shape == tuple(max(1, int(n)) for n in expected), (shape, zooms, spacing)
