@@ -23,8 +23,10 @@ image as ``sliding_window_inference`` does: an axis shorter than ``roi_size`` ze
 tile-dependent network, windows ``int(roi * (1 - overlap))`` apart with the last one shifted back
 to the image edge, each window's whole output averaged (``mode: constant``) or weighted by a
 gaussian of sigma ``roi / 8`` (``mode: gaussian``; MONAI floors its N-D weights at 1e-3, tilewise
-its per-axis weights at 1e-6, so where every window covering a voxel is in its far tail the two
-differ). A local network keeps exact tiles (``halo: auto``) along axes longer than ``roi_size``.
+its per-axis weights at 1e-6, so the two differ wherever MONAI's N-D product falls below 1e-3, at
+the edges and corners of each window: up to 0.67 measured on a random instance-norm UNet, roi 32;
+``constant`` agrees within 1e-4). A local network keeps exact tiles (``halo: auto``) along axes
+longer than ``roi_size``.
 Transformers (UNETR, SwinUNETR: self-attention over patch tokens) take exactly one input size:
 ``fixed_tile: true``, the tile and alignment are the window (UNETR's ``img_size``, which must be
 the ``roi_size``), tile-dependent, with MONAI's blended windows (``overlap``, ``mode``); the traced
