@@ -16,7 +16,9 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     scale: 1                      # output voxels per input voxel
     receptive_field: [10, 10, 10] # radius per axis in voxels, when known (else measured)
     tile_dependent: false         # instance norm / attention / global pooling (absent: probed at warm-up)
+    fixed_tile: false             # the network takes exactly defaults.tile (a transformer's img_size)
     spacing: [1.0, 1.0, 1.0]      # mm per spatial axis the network was trained at (inputs resampled)
+    resampling: extent            # where the resampled grid lies: extent (nnU-Net) | corners (MONAI)
     orientation: RAS              # axis codes the network was trained in (3-D; inputs reoriented)
     labels: {0: background, 1: grey matter}  # label index -> name
     padding: end                  # where the image lies in its window: end | centred-monai | centred-nnunet
@@ -43,6 +45,12 @@ shorter than the tile zero-padded to it, ``(tile - size) // 2`` before and the r
 ``tile - overlap`` apart, the last one shifted back to the image edge) or ``centred-nnunet``
 (nnU-Net v2's predictor: the same padding, windows spread evenly; ``tta=mirror`` flips inside each
 window). ``tilewise import-model`` writes it for MONAI bundles and nnU-Net folders.
+
+``resampling`` says where the grid at ``spacing`` lies on the input's
+(:class:`models.geometry.model_grid.Resampling`): ``extent`` (one field of view, ``round(n * zoom /
+spacing)`` voxels; nnU-Net's ``compute_new_shape``) or ``corners`` (MONAI's ``Spacingd``: first voxel
+centres kept, the voxel size exactly ``spacing``, ``round((n - 1) * zoom / spacing + 1)`` voxels).
+``tilewise import-model`` writes ``corners`` for MONAI bundles with a ``Spacingd``.
 
 Unknown fields are refused. Invalid specs raise :class:`~models.errors.SpecError` naming the file
 and the field.
@@ -71,6 +79,7 @@ from pydantic import (
 )
 
 from models.errors import SpecError
+from models.geometry.model_grid import Resampling
 from models.planning.params import REQUEST_ONLY, Blend, InferenceParams, OutputKind, StrEnum, _per_axis
 from models.transforms.steps import STEP_PARAMS, FrameSpec, PreprocessStep, check_params
 from tiling import Placement
@@ -208,7 +217,9 @@ class ModelSpec(BaseModel):
     scale: Positive = 1
     receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
     tile_dependent: StrictBool | None = None
+    fixed_tile: StrictBool = False
     spacing: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)], ...] | None = None
+    resampling: Resampling = Resampling.EXTENT
     orientation: Annotated[StrictStr, AfterValidator(_orientation)] | None = None
     labels: dict[Annotated[int, Field(ge=0)], StrictStr] | None = None
     mirror_axes: tuple[Annotated[StrictInt, Field(ge=0)], ...] | None = None

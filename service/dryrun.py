@@ -18,7 +18,10 @@ measured figures), ``over_budget`` (``null``, or why the server would refuse the
 :mod:`service.stages`), ``disk_bytes`` (disk for the output and temporaries) and
 ``warning`` (``null``, or what ``X-Tilewise-Warning`` would say: a halo below the receptive-field
 radius, or a memory budget that no plan meets).
-``halo="auto"`` takes the halo last calibrated for the tile (calibrating runs the network).
+``halo="auto"`` reports the halo the run will use: the one calibrated on the same sample as the
+run (the preprocessed image on the model grid; a streamed request's synthetic sample), read from
+the measurements when that sample was calibrated before (a run, a plan, this server), else
+calibrated now (a few network passes of sample tiles; the result is kept, so the run reuses it).
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
     plan = model.plan(
         shape, params, memory_budget=limits.memory_budget, footprint=footprint, calibrate=False, **held
     )
+    if plan.halo_source.startswith("dry run"):  # halo=auto on several tiles: the run's calibration
+        sample = None if streams(header) else _model_input(model, source, params, limits)
+        plan = model.plan(
+            shape, params, sample=sample, memory_budget=limits.memory_budget, footprint=footprint, **held
+        )
     over: str | None = None
     if limits.budget is not None:
         try:
@@ -92,6 +100,27 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
         "streamed": streams(header),
         "disk_bytes": disk,
     }
+
+
+def _model_input(model: Model, source: Path, params: InferenceParams, limits: Limits) -> np.ndarray:
+    """The preprocessed ``(C, *S_m)`` image the run plans on (and calibrates ``halo=auto`` with):
+    decoded, mapped onto the model grid and preprocessed as :func:`models.geometry.mapping.run_mapped`
+    does."""
+    from models.geometry.mapping import plan_mapping
+    from service.codecs import decode
+    from service.pipeline import fit_to_model
+    from service.precheck import dicom_options
+
+    volume = decode(
+        source,
+        max_voxels=limits.max_voxels,
+        max_image_pixels=limits.max_image_pixels,
+        max_bytes=limits.max_bytes,
+        dicom=dicom_options(params),
+    )
+    data, _ = fit_to_model(volume, model.spec)
+    mapping = plan_mapping(data, volume.affine, model.spec, native=params.spacing == "native")
+    return np.asarray(model.preprocess(mapping.to_model(data)))
 
 
 def _disk_bytes(model: Model, source: Path, header: Any, params: InferenceParams, *, streamed: bool) -> int:

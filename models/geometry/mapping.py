@@ -43,8 +43,8 @@ import numpy.typing as npt
 
 from models.errors import InputError
 from models.geometry.model_grid import DEFAULT_SLAB_BYTES, GeometryError, GeometryPlan, plan_geometry
-from models.planning.params import InferenceParams, OutputKind, Spacing
 from models.geometry.resample import _oriented, from_model_labels, from_model_probabilities, to_model
+from models.planning.params import InferenceParams, OutputKind, Spacing
 from models.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class GridMapping:
         return self.frame.model_shape if self.frame is not None else self.geometry.model_shape
 
     def extra_bytes(self, out_channels: int, *, labels: bool) -> int:
-        """Bytes mapping back holds beyond the run's own (:func:`models.planning.cost.peak_bytes` of its plan).
+        """Bytes mapping back holds beyond the run's own (:func:`models.planning.cost.peak_bytes`).
 
         With resampling the run ends in ``C_out``-channel float32 probabilities on the model grid
         (``4 * C_out * prod(S_m)`` instead of ``prod(S_m)`` uint8 labels), then the input-grid
@@ -213,7 +213,9 @@ def plan_mapping(
     if affine is None or not (orientation or (resample and not native)):
         return GridMapping(plan_geometry(shape), as_float=as_float)
     spacing = None if native or spec.frame is not None else spec.spacing
-    geometry = plan_geometry(shape, affine, orientation=orientation, spacing_mm=spacing)
+    geometry = plan_geometry(
+        shape, affine, orientation=orientation, spacing_mm=spacing, resampling=spec.resampling
+    )
     if native or spec.frame is None:
         return GridMapping(geometry, as_float=as_float)
     box = foreground_box(_oriented(data[:1], geometry.ornt)[0], margin=spec.frame.margin)
@@ -239,7 +241,10 @@ def header_model_shape(
         return shape
     orientation = spec.orientation if len(shape) == 3 else None
     try:
-        return plan_geometry(shape, affine, orientation=orientation, spacing_mm=spec.spacing).model_shape
+        geometry = plan_geometry(
+            shape, affine, orientation=orientation, spacing_mm=spec.spacing, resampling=spec.resampling
+        )
+        return geometry.model_shape
     except GeometryError:
         return shape
 

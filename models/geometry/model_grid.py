@@ -10,18 +10,24 @@ and reorient before the network and invert after). Three steps, each skipped whe
 1. **Reorient** (3-D only): flips and axis permutations given by nibabel's orientation transform
    from the input affine's closest axis codes to the model's codes (``RAS``, ``LPS``, ``PIR``, ...).
    No interpolation: every voxel keeps its value, so it is exactly invertible.
-2. **Resample** (linear) to ``S_m = max(1, round(S_r * zooms / spacing))`` per axis (round half to
-   even, as :func:`round`).
+2. **Resample** (linear) to the model's spacing, by one of two rules (:class:`Resampling`, the
+   spec's ``resampling``; round half to even, as :func:`round`):
+
+   - ``extent`` (the default; nnU-Net's ``compute_new_shape``): ``S_m = max(1, round(S_r * zooms /
+     spacing))``; both grids share one field of view, voxel ``i`` of ``n`` centred at ``(i + 0.5) / n``
+     of it (the model grid's voxel size is ``zooms * S_r / S_m``, close to the spacing).
+   - ``corners`` (MONAI's ``Spacing`` / ``Spacingd``, ``scale_extent=False``, the default of every
+     bundle): ``S_m = round((S_r - 1) * zooms / spacing + 1)``; the first voxel centres coincide and
+     the model grid's voxel size is exactly the spacing, so model voxel ``j`` lies at input index
+     ``j * spacing / zooms`` (beyond the last input voxel, the edge value: MONAI's ``border``).
 3. **Back**: outputs are resampled (linear) from ``S_m`` to ``S_r``, then inverse-reoriented to ``S``.
    Labels are made only after that, by argmax over the resampled probabilities (label ids are never
    interpolated), slab by slab, so no ``C_out``-channel float volume at the input resolution exists.
 
 This module plans (pure arithmetic: :func:`plan_geometry` gives a :class:`GeometryPlan`);
 :mod:`models.geometry.resample` moves the arrays (``to_model``, ``from_model_probabilities``,
-``from_model_labels``) and states the interpolation convention: the grids share one field of view,
-voxel ``i`` of ``n`` centred at ``(i + 0.5) / n`` of it, so the model grid's voxel size is
-``zooms * S_r / S_m`` and :attr:`GeometryPlan.model_affine` maps its voxels to the world points that
-were sampled.
+``from_model_labels``) and states the interpolation convention of each rule;
+:attr:`GeometryPlan.model_affine` maps the model grid's voxels to the world points that were sampled.
 
 Raises :class:`GeometryError` (a :class:`~models.errors.InputError`, HTTP 422) for geometry that
 cannot be planned or arrays that do not fit their plan.
@@ -40,8 +46,9 @@ import numpy.typing as npt
 from nibabel.orientations import axcodes2ornt, inv_ornt_aff, io_orientation, ornt_transform
 
 from models.errors import InputError
+from models.planning.params import StrEnum
 
-__all__ = ["DEFAULT_SLAB_BYTES", "GeometryError", "GeometryPlan", "Ornt", "plan_geometry"]
+__all__ = ["DEFAULT_SLAB_BYTES", "GeometryError", "GeometryPlan", "Ornt", "Resampling", "plan_geometry"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,19 @@ _AXIS_OF = {"L": 0, "R": 0, "P": 1, "A": 1, "I": 2, "S": 2}
 
 #: A nibabel orientation as a tuple: ``(new axis, flip)`` per input axis.
 Ornt = tuple[tuple[int, int], ...]
+
+
+class Resampling(StrEnum):
+    """Where the model grid's voxels lie on the input's (see the module docstring).
+
+    ``extent``: one field of view, ``S_m = round(S_r * zooms / spacing)`` (nnU-Net v2,
+    ``compute_new_shape``). ``corners``: the first voxel centres coincide and the voxel size is the
+    spacing, ``S_m = round((S_r - 1) * zooms / spacing + 1)`` (MONAI ``Spacing``,
+    ``compute_shape_offset`` with ``scale_extent=False``).
+    """
+
+    EXTENT = "extent"
+    CORNERS = "corners"
 
 
 class GeometryError(InputError):
@@ -73,12 +93,14 @@ class GeometryPlan:
         reoriented_shape: ``S_r`` (a permutation of ``S``).
         reoriented_zooms_mm: input voxel size per axis of ``S_r`` (mm), ``None`` when unknown.
         spacing_mm: the model's spacing (mm per axis of ``S_r``), ``None`` for native (no resampling).
-        model_shape: ``S_m = max(1, round(S_r * reoriented_zooms_mm / spacing_mm))``, or ``S_r``.
-        model_zooms_mm: the model grid's actual voxel size, ``reoriented_zooms_mm * S_r / S_m`` (mm).
+        model_shape: ``S_m`` by the ``resampling`` rule (:class:`Resampling`), or ``S_r``.
+        model_zooms_mm: the model grid's actual voxel size (mm): ``reoriented_zooms_mm * S_r / S_m``
+            (``extent``) or ``spacing_mm`` (``corners``).
         reorients: ``False`` when ``ornt`` is the identity (the reorientation step is a no-op).
         resamples: ``False`` when ``S_m == S_r`` (the resampling step is a no-op).
         affine: the input's voxel-to-world affine, ``(n + 1, n + 1)`` or ``(4, 4)`` float64, or ``None``.
         model_affine: voxel-to-world affine of the model grid (same world points), or ``None``.
+        resampling: the rule that placed the model grid (:class:`Resampling`).
     """
 
     spatial_shape: tuple[int, ...]
@@ -96,6 +118,21 @@ class GeometryPlan:
     resamples: bool
     affine: npt.NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
     model_affine: npt.NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
+    resampling: Resampling = Resampling.EXTENT
+
+    def source_index(self, axis: int, *, back: bool = False) -> tuple[float, float]:
+        """``(a, b)``: output index ``j`` of ``axis`` samples the other grid at ``a * j + b``.
+
+        To the model grid (``back=False``) the source is ``S_r``; back, it is ``S_m``. ``extent``:
+        ``a = n_src / n_out``, ``b = a / 2 - 0.5`` (``F.interpolate``, ``align_corners=False``);
+        ``corners``: ``a = spacing / zoom`` (or its inverse back), ``b = 0``.
+        """
+        m, r = self.model_shape[axis], self.reoriented_shape[axis]
+        if self.resampling == Resampling.CORNERS and self.spacing_mm and self.reoriented_zooms_mm:
+            step = self.spacing_mm[axis] / self.reoriented_zooms_mm[axis]
+            return (1.0 / step if back else step), 0.0
+        a = m / r if back else r / m
+        return a, 0.5 * a - 0.5
 
     @property
     def spatial_dims(self) -> int:
@@ -160,6 +197,15 @@ def _zooms_from_affine(affine: npt.NDArray[np.float64], ndim: int) -> tuple[floa
     return tuple(float(z) for z in zooms)
 
 
+def _steps_off_one(
+    rule: Resampling, spacing: tuple[float, ...] | None, zooms: tuple[float, ...] | None
+) -> bool:
+    """Whether a ``corners`` grid moves voxels although its shape is the input's (spacing != zoom)."""
+    if rule != Resampling.CORNERS or spacing is None or zooms is None:
+        return False
+    return any(not math.isclose(s, z, rel_tol=1e-9) for s, z in zip(spacing, zooms, strict=True))
+
+
 def plan_geometry(
     spatial_shape: Sequence[int],
     affine: npt.ArrayLike | None = None,
@@ -167,6 +213,7 @@ def plan_geometry(
     orientation: str | None = None,
     spacing_mm: Sequence[float] | None = None,
     zooms_mm: Sequence[float] | None = None,
+    resampling: Resampling | str = Resampling.EXTENT,
 ) -> GeometryPlan:
     """Plan the reorientation and resampling of one input to a model's grid.
 
@@ -182,6 +229,8 @@ def plan_geometry(
             request's ``spacing=native``) skips resampling.
         zooms_mm: the input's voxel size (mm) per array axis when there is no affine; ignored
             (and not needed) when ``affine`` is given.
+        resampling: the rule that places the model grid (:class:`Resampling`): ``extent`` (one
+            field of view; nnU-Net) or ``corners`` (first voxel centres kept; MONAI's Spacingd).
 
     Returns:
         The :class:`GeometryPlan`.
@@ -201,7 +250,8 @@ def plan_geometry(
     Source:
         nibabel.orientations (``io_orientation``, ``ornt_transform``, ``inv_ornt_aff``; MIT);
         output shape rule of MIC-DKFZ/nnUNet nnunetv2/preprocessing/resampling/default_resampling.py
-        (``compute_new_shape``; Apache-2.0).
+        (``compute_new_shape``; Apache-2.0); ``corners``: Project-MONAI/MONAI monai/data/utils.py
+        (``compute_shape_offset``; Apache-2.0).
 
     Example:
         >>> import numpy as np
@@ -212,6 +262,10 @@ def plan_geometry(
     """
     shape = tuple(int(s) for s in spatial_shape)
     ndim = len(shape)
+    try:
+        rule = Resampling(resampling)
+    except ValueError:
+        raise _fail(f"resampling={resampling!r}: expected one of {[r.value for r in Resampling]}") from None
     if ndim not in (1, 2, 3) or any(s < 1 for s in shape):
         raise _fail(f"spatial_shape={shape}: expected 1 to 3 axes of at least one voxel")
     aff: npt.NDArray[np.float64] | None = None
@@ -273,25 +327,33 @@ def plan_geometry(
                 f"spacing_mm={spacing} needs the input's voxel size, and the input has neither an affine "
                 "nor zooms_mm (use spacing=native)"
             )
-        model_shape = tuple(
-            max(1, round(n * z / s))
-            for n, z, s in zip(reoriented_shape, reoriented_zooms, spacing, strict=True)
-        )
+        triples = zip(reoriented_shape, reoriented_zooms, spacing, strict=True)
+        if rule == Resampling.CORNERS:
+            # MONAI rounds ptp + 1 (not ptp): 24.5 + 1 -> 26, half to even
+            model_shape = tuple(round((n - 1) * z / s + 1.0) for n, z, s in triples)
+        else:
+            model_shape = tuple(max(1, round(n * z / s)) for n, z, s in triples)
     model_zooms = (
         tuple(z * n / m for z, n, m in zip(reoriented_zooms, reoriented_shape, model_shape, strict=True))
         if reoriented_zooms is not None
         else None
     )
+    if rule == Resampling.CORNERS and spacing is not None:
+        model_zooms = spacing
 
     model_affine: npt.NDArray[np.float64] | None = None
     if aff is not None:
         reoriented_aff = aff @ inv_ornt_aff(ornt, shape) if reorients else aff.copy()  # type: ignore[no-untyped-call]
-        # model voxel j sits at reoriented index (j + 0.5) * f - 0.5, f = S_r / S_m
+        # model voxel j sits at reoriented index (j + 0.5) * f - 0.5, f = S_r / S_m (extent),
+        # or j * spacing / zoom (corners)
         scaling = np.eye(aff.shape[0])
         for axis in range(ndim):
             f = reoriented_shape[axis] / model_shape[axis]
+            offset = 0.5 * f - 0.5
+            if rule == Resampling.CORNERS and spacing is not None and reoriented_zooms is not None:
+                f, offset = spacing[axis] / reoriented_zooms[axis], 0.0
             scaling[axis, axis] = f
-            scaling[axis, -1] = 0.5 * f - 0.5
+            scaling[axis, -1] = offset
         model_affine = reoriented_aff @ scaling
         model_affine.setflags(write=False)
 
@@ -308,9 +370,10 @@ def plan_geometry(
         model_shape=model_shape,
         model_zooms_mm=model_zooms,
         reorients=reorients,
-        resamples=model_shape != reoriented_shape,
+        resamples=model_shape != reoriented_shape or _steps_off_one(rule, spacing, reoriented_zooms),
         affine=aff,
         model_affine=model_affine,
+        resampling=rule,
     )
     logger.debug(
         "geometry: %s %s -> %s %s (reorient %s, resample %s)",

@@ -1,21 +1,30 @@
-"""Move arrays between the input grid and a model's grid, as a :class:`~models.geometry.model_grid.GeometryPlan` says.
+"""Move arrays between the input grid and a model's grid, as a ``GeometryPlan`` says.
 
 Shapes: ``C`` input channels, ``C_out`` output channels, ``S`` the input's spatial shape, ``S_r`` the
-same voxels reoriented to the model's axis codes, ``S_m`` the model grid (see :mod:`models.geometry.model_grid`).
+same voxels reoriented to the model's axis codes, ``S_m`` the model grid (see
+:mod:`models.geometry.model_grid`).
 
 - :func:`to_model`: reorient (flips and transposes, exact) then resample (linear), ``S -> S_m``.
 - :func:`from_model_probabilities`: resample back (linear) then inverse-reorient, ``S_m -> S``.
 - :func:`from_model_labels`: the same, then argmax: probabilities are interpolated, label ids never;
   slab by slab, so no ``C_out``-channel float volume at the input resolution exists.
 
-Interpolation convention (both directions, every axis): the two grids share one field of view, and
-voxel ``i`` of an axis of ``n`` voxels is centred at ``(i + 0.5) / n`` of that extent (physically at
-``(i + 0.5) * zoom`` from its edge). Output index ``j`` of ``n_out`` samples the input at continuous
-index ``(j + 0.5) * n_in / n_out - 0.5``, clamped to ``[0, n_in - 1]`` (edge values extend): exactly
-``torch.nn.functional.interpolate(..., mode="linear"|"bilinear"|"trilinear", align_corners=False)``
-without antialiasing, and ``scipy.ndimage.map_coordinates(..., order=1, mode="nearest")`` at those
-coordinates. Up by an odd integer factor and back is therefore the identity (each coarse voxel is
-sampled at its own centre).
+Interpolation convention (both directions, every axis), by the plan's
+:class:`~models.geometry.model_grid.Resampling` rule:
+
+- ``extent``: the two grids share one field of view, and voxel ``i`` of an axis of ``n`` voxels is
+  centred at ``(i + 0.5) / n`` of that extent (physically at ``(i + 0.5) * zoom`` from its edge).
+  Output index ``j`` of ``n_out`` samples the input at continuous index
+  ``(j + 0.5) * n_in / n_out - 0.5``: exactly ``torch.nn.functional.interpolate(...,
+  mode="linear"|"bilinear"|"trilinear", align_corners=False)`` without antialiasing. Up by an odd
+  integer factor and back is therefore the identity (each coarse voxel is sampled at its own centre).
+- ``corners`` (MONAI's ``Spacingd`` and its inverse in ``Invertd``): the first voxel centres
+  coincide; model voxel ``j`` samples the input at index ``j * spacing / zoom`` and input voxel
+  ``i`` samples the model grid at ``i * zoom / spacing``.
+
+Either way the continuous index is clamped to ``[0, n_in - 1]`` (edge values extend, MONAI's
+``border``), and the result is ``scipy.ndimage.map_coordinates(..., order=1, mode="nearest")`` at
+those coordinates, one axis after another.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from nibabel.orientations import apply_orientation
 
-from models.geometry.model_grid import DEFAULT_SLAB_BYTES, GeometryError, GeometryPlan, Ornt
+from models.geometry.model_grid import DEFAULT_SLAB_BYTES, GeometryError, GeometryPlan, Ornt, Resampling
 
 __all__ = ["from_model_labels", "from_model_probabilities", "to_model"]
 
@@ -86,6 +95,16 @@ def to_model(volume: npt.ArrayLike, plan: GeometryPlan) -> npt.NDArray[np.float3
         x = x.copy()
     if not plan.resamples:
         return x
+    if plan.resampling == Resampling.CORNERS:
+        with torch.inference_mode():
+            t = torch.from_numpy(x)
+            for axis in range(plan.spatial_dims):
+                t = _along(
+                    t,
+                    axis + 1,
+                    *_linear_weights(x.shape[axis + 1], plan.model_shape[axis], plan.source_index(axis)),
+                )
+        return np.ascontiguousarray(t.numpy())
     with torch.inference_mode():
         y = F.interpolate(
             torch.from_numpy(x)[None],
@@ -98,22 +117,42 @@ def to_model(volume: npt.ArrayLike, plan: GeometryPlan) -> npt.NDArray[np.float3
 
 
 def _linear_weights(
-    n_in: int, n_out: int
+    n_in: int, n_out: int, step: tuple[float, float] | None = None
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-    """Source rows ``i0``, ``i1`` and weights ``w0``, ``w1`` of 1-D linear resampling (align_corners=False).
+    """Source rows ``i0``, ``i1`` and weights ``w0``, ``w1`` of 1-D linear resampling.
 
-    Output ``j`` is ``w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``. The float32 source index
-    ``scale * (j + 0.5) - 0.5`` (``scale = float32(n_in / n_out)``) is rounded once, as ATen's
-    ``area_pixel_compute_source_index`` compiled with a fused multiply-add, so the weights are the
-    ones ``F.interpolate`` uses on CPU (results agree within one float32 rounding).
+    Output ``j`` is ``w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``. With ``step = None`` (``extent``,
+    align_corners=False) the float32 source index ``scale * (j + 0.5) - 0.5`` (``scale =
+    float32(n_in / n_out)``) is rounded once, as ATen's ``area_pixel_compute_source_index`` compiled
+    with a fused multiply-add, so the weights are the ones ``F.interpolate`` uses on CPU (results
+    agree within one float32 rounding). With ``step = (a, b)`` the source index is ``a * j + b``
+    (:meth:`GeometryPlan.source_index`), clamped to ``[0, n_in - 1]``.
     """
-    scale = np.float64(np.float32(n_in) / np.float32(n_out))
-    src = (scale * (np.arange(n_out, dtype=np.float64) + 0.5) - 0.5).astype(np.float32)
+    if step is not None and step[1] == 0.0:  # corners
+        src = np.clip(step[0] * np.arange(n_out, dtype=np.float64), 0.0, n_in - 1).astype(np.float32)
+    else:
+        scale = np.float64(np.float32(n_in) / np.float32(n_out))
+        src = (scale * (np.arange(n_out, dtype=np.float64) + 0.5) - 0.5).astype(np.float32)
     src = np.maximum(src, np.float32(0.0))
     i0 = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
     lam = np.clip(src - i0.astype(np.float32), np.float32(0.0), np.float32(1.0)).astype(np.float32)
     i1 = np.minimum(i0 + 1, n_in - 1)
     return i0, i1, (np.float32(1.0) - lam).astype(np.float32), lam
+
+
+def _along(
+    t: torch.Tensor,
+    dim: int,
+    i0: npt.NDArray[np.int64],
+    i1: npt.NDArray[np.int64],
+    w0: npt.NDArray[np.float32],
+    w1: npt.NDArray[np.float32],
+) -> torch.Tensor:
+    """Linear resampling of ``t`` along ``dim`` with :func:`_linear_weights`' rows and weights."""
+    shape = [1] * t.ndim
+    shape[dim] = -1
+    a = t.index_select(dim, torch.from_numpy(i0)).mul_(torch.from_numpy(w0).view(shape))
+    return a.add_(t.index_select(dim, torch.from_numpy(i1)).mul_(torch.from_numpy(w1).view(shape)))
 
 
 def _activate(x: torch.Tensor, activation: str, dim: int) -> torch.Tensor:
@@ -140,12 +179,13 @@ def _resample_back(
     m0, r0 = plan.model_shape[0], plan.reoriented_shape[0]
     rest_m, rest_r = plan.model_shape[1:], plan.reoriented_shape[1:]
     rows = plan.slab_rows(n_out, max_slab_bytes=max_slab_bytes)
-    i0, i1, w0, w1 = _linear_weights(m0, r0)
+    corners = plan.resampling == Resampling.CORNERS
+    i0, i1, w0, w1 = _linear_weights(m0, r0, plan.source_index(0, back=True) if corners else None)
     weight_shape = (-1,) + (1,) * plan.spatial_dims  # broadcast over (rows, C_out, *rest)
     with torch.inference_mode():
         for start in range(0, r0, rows):
             stop = min(start + rows, r0)
-            if m0 != r0:  # the source rows that bracket rows start:stop
+            if m0 != r0 or corners:  # the source rows that bracket rows start:stop
                 lo, hi = int(i0[start]), int(i1[stop - 1]) + 1
             else:  # the same rows (i1 = i0 + 1 would add one row, and the slab one row too many)
                 lo, hi = start, stop
@@ -154,7 +194,7 @@ def _resample_back(
                 part = np.array(part, dtype=np.float32)  # torch views only writable, forward-strided memory
             src = torch.from_numpy(part).transpose(0, 1)  # (n_src, C_out, *rest_m), a view
             src = _activate(src, activation, dim=1)
-            if m0 != r0:
+            if m0 != r0 or corners:
                 a = src.index_select(0, torch.from_numpy(i0[start:stop] - lo))
                 b = src.index_select(0, torch.from_numpy(i1[start:stop] - lo))
                 a.mul_(torch.from_numpy(w0[start:stop]).view(weight_shape))
@@ -162,7 +202,13 @@ def _resample_back(
                 del b
             else:
                 a = src
-            if rest_m != rest_r:
+            if corners:
+                for axis in range(1, plan.spatial_dims):
+                    weights = _linear_weights(
+                        rest_m[axis - 1], rest_r[axis - 1], plan.source_index(axis, back=True)
+                    )
+                    a = _along(a, axis + 1, *weights)
+            elif rest_m != rest_r:
                 a = F.interpolate(a, size=rest_r, mode=_MODES[len(rest_r)], align_corners=False)
             write(start, stop, a)
             del a, src

@@ -29,6 +29,10 @@ The alignment is per axis, the product of the pooling strides along it (``pool_o
 strides ``(1, 2, 2)`` twice and ``(2, 2, 2)`` make alignment ``(2, 8, 8)`` in nnU-Net's axis order),
 so the patch itself is a valid tile.
 
+Resampling keeps nnU-Net's own grid (the spec's default ``resampling: extent``): ``round(n * zoom /
+spacing)`` voxels over the same field of view, as ``compute_new_shape`` in
+nnunetv2/preprocessing/resampling/default_resampling.py (MONAI bundles get ``corners`` instead).
+
 Not reproduced (noted in the spec's header): nnU-Net crops the image to its non-zero bounding box
 before normalizing and predicting (identical where the image has no all-zero border), resamples
 with third-order splines where tilewise's geometry is linear, and accumulates in float16.

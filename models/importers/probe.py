@@ -17,7 +17,14 @@ Shapes: ``C`` input channels, ``S`` spatial axes; every probe input is ``(1, C, 
    ``BasicUNet``): their traced graph keeps the pads of the traced size, so only sizes on the
    stride grid (where the pads are zero) run exported; such a network gets that stride on every axis.
 3. **Tile dependence**: :func:`models.measure.dependence.probe_tile_dependence` at the network's window.
-4. **Receptive field** (local networks only): the impulse probe of :mod:`models.measure.receptive` on
+4. **Fixed window** (vision transformers): a network built around self-attention over patch tokens
+   (MONAI's ``SABlock`` in UNETR/ViT, ``WindowAttention`` in SwinUNETR, ``nn.MultiheadAttention``),
+   or one that runs at the caller's window and at no size near it, takes exactly one tile shape:
+   UNETR's position embeddings hold ``img_size / patch_size`` tokens, and SwinUNETR's traced graph
+   keeps the window partition of the size it was traced at. Such a network's facts are its window:
+   ``fixed_shape = alignment_per_axis = tile_shape``, tile-dependent (attention is global in a
+   tile), no receptive field; it is served with the source framework's blended windows.
+5. **Receptive field** (local networks only): the impulse probe of :mod:`models.measure.receptive` on
    inputs long along one axis and narrow on the others, grown while the response reaches the
    probe's edge (up to 96 voxels in 3-D, 1024 in 2-D); ``None`` (and tile-dependent) when it never
    stops reaching the edge.
@@ -35,8 +42,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.measure.dependence import probe_tile_dependence
 from models.errors import ImportRefusedError
+from models.measure.dependence import probe_tile_dependence
 from models.measure.receptive import probe_input, probe_receptive_field
 
 __all__ = ["NetworkFacts", "probe_network"]
@@ -78,6 +85,46 @@ class NetworkFacts:
     tile_dependent: bool
     seconds: float
     alignment_per_axis: tuple[int, ...] = ()
+    fixed_shape: tuple[int, ...] | None = None
+
+
+#: Module classes of self-attention over tokens (a transformer's patch grid is fixed).
+_ATTENTION = frozenset({"SABlock", "WindowAttention", "MultiheadAttention", "CrossAttentionBlock"})
+
+
+def attention_modules(run: Run) -> list[str]:
+    """Names of the self-attention modules of an eager network (:data:`_ATTENTION` classes), if any."""
+    if not isinstance(run, nn.Module):
+        return []
+    return [name for name, m in run.named_modules() if type(m).__name__ in _ATTENTION]
+
+
+def _fixed_facts(
+    run: Run,
+    name: str,
+    spatial_dims: int | None,
+    in_channels: int | None,
+    window: Sequence[int],
+    start: float,
+) -> NetworkFacts | None:
+    """The facts of a network that takes exactly ``window`` (see the module docstring), or ``None``
+    when it does not run at ``window`` with an output of that spatial shape."""
+    shape = [int(w) for w in window]
+    if spatial_dims not in (None, len(shape)):
+        return None
+    for channels in (in_channels,) if in_channels else _CHANNELS:
+        y = _output(run, channels, shape)
+        if y is None:
+            continue
+        if tuple(y.shape[2:]) != tuple(shape):
+            return None
+        facts = NetworkFacts(
+            len(shape), channels, int(y.shape[1]), math.lcm(*shape), 1, None, True,
+            time.perf_counter() - start, tuple(shape), tuple(shape),
+        )  # fmt: skip
+        logger.info("%s: takes exactly %s (fixed window): %s", name, tuple(shape), facts)
+        return facts
+    return None
 
 
 class _Net:
@@ -227,15 +274,34 @@ def probe_network(
         alignment: the size divisor when the source says it (nnU-Net's pooling strides): checked
             at two sizes instead of searched.
 
+    Returns:
+        The facts; ``fixed_shape`` is set (to ``tile_shape``) for a network that takes exactly one
+        tile shape (module docstring, step 4).
+
     Raises:
         ImportRefusedError: no layout runs, the output is not an integer multiple of the input, or
             no size divisor works (the message names what was tried).
     """
     start = time.perf_counter()
-    dims, channels, out_channels, scale, base = _layout(run, name, spatial_dims, in_channels)
-    per_axis: tuple[int, ...] = ()
+    if tile_shape is not None and attention_modules(run):
+        fixed = _fixed_facts(run, name, spatial_dims, in_channels, tile_shape, start)
+        if fixed is None:
+            raise ImportRefusedError(
+                f"{name}: a transformer (self-attention: {attention_modules(run)[0]}) takes one input "
+                f"size, and it fails at the window {tuple(tile_shape)} (its img_size must be the window)"
+            )
+        return fixed
+    try:
+        dims, channels, out_channels, scale, base = _layout(run, name, spatial_dims, in_channels)
+        per_axis: tuple[int, ...] = ()
+        if alignment is None:
+            per_axis = _alignment(run, name, dims, channels, scale, base)
+    except ImportRefusedError:
+        fixed = _fixed_facts(run, name, spatial_dims, in_channels, tile_shape, start) if tile_shape else None
+        if fixed is None:
+            raise
+        return fixed
     if alignment is None:
-        per_axis = _alignment(run, name, dims, channels, scale, base)
         measured = math.lcm(*per_axis)
         stride = _stride_alignment(run, dims, channels, base)
         alignment = math.lcm(measured, stride)

@@ -124,13 +124,15 @@ class Footprint:
 
 
 def measurement_tiles(
-    default_tile: Sequence[int], alignment: int, batch: int
+    default_tile: Sequence[int], alignment: int, batch: int, *, fixed_tile: bool = False
 ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """The small and larger tile measured, and the batch: ``(S, L, B)``.
 
     ``L`` is ``default_tile`` scaled down (same proportions) to at most :data:`MAX_VOXELS`, ``S`` is
     half of ``L`` per axis, both rounded up to the alignment (and ``S`` at least one step smaller
-    on some axis); ``B`` is ``batch`` within 2..4.
+    on some axis); ``B`` is ``batch`` within 2..4. A network of one input size (``fixed_tile``, a
+    transformer whose export pads smaller inputs to its window) is measured at ``default_tile`` and
+    half of it (which it runs padded: the cost of its window).
 
     >>> measurement_tiles((96, 96, 96), 16, 1)
     ((48, 48, 48), (96, 96, 96), 2)
@@ -138,6 +140,9 @@ def measurement_tiles(
     ((64, 64, 64), (128, 128, 128), 2)
     """
     ndim = len(default_tile)
+    if fixed_tile:
+        window = tuple(int(t) for t in default_tile)
+        return tuple(max(1, t // 2) for t in window), window, min(4, max(2, int(batch)))
     tile = [max(int(t), alignment) for t in default_tile]
     shrink = min(1.0, (MAX_VOXELS[min(ndim, 3)] / math.prod(tile)) ** (1 / ndim))
     large = tuple(round_up(max(1, math.floor(t * shrink)), alignment) for t in tile)
@@ -190,6 +195,7 @@ def measure_footprint(
     batch: int = 1,
     device: torch.device | str = "cpu",
     torch_backend: bool = True,
+    fixed_tile: bool = False,
 ) -> Footprint:
     """Measure the :class:`Footprint` of ``predictor`` (see the module docstring).
 
@@ -202,10 +208,11 @@ def measure_footprint(
         batch: the spec's default batch size (measured within 2..4).
         device: where the network runs; on CUDA with ``torch_backend`` the peak is the device's.
         torch_backend: whether the network's memory goes through torch's CUDA allocator.
+        fixed_tile: the network takes only ``default_tile`` (:func:`measurement_tiles`).
     """
     dev = torch.device(device)
     cuda = dev.type == "cuda" and torch_backend and torch.cuda.is_available()
-    small, large, b = measurement_tiles(default_tile, alignment, batch)
+    small, large, b = measurement_tiles(default_tile, alignment, batch, fixed_tile=fixed_tile)
     runs: list[tuple[tuple[int, ...], int, int, float]] = []
     methods = set()
     for n in (1, b):
@@ -284,6 +291,7 @@ def _measure_spec(spec: Any, predictor: Any) -> Footprint:
         batch=int(spec.defaults.batch_size or 1),
         device=predictor.device,
         torch_backend=str(spec.backend.value) != "onnx",
+        fixed_tile=bool(getattr(spec, "fixed_tile", False)),
     )
 
 

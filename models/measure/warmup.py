@@ -42,7 +42,11 @@ def check_forward(spec: ModelSpec, predictor: BasePredictor) -> None:
             ``size * scale`` (``scale``, or ``alignment`` when the ratio is not an integer).
     """
     size = check_size(spec.alignment_lcm)
-    batch = torch.zeros((1, spec.in_channels, *([size] * spec.spatial_dims)))
+    shape = [size] * spec.spatial_dims
+    if spec.fixed_tile and spec.defaults.tile is not None:  # a transformer: its one input size
+        shape = [int(t) for t in spec.defaults.tile]  # type: ignore[union-attr]
+        size = shape[0]
+    batch = torch.zeros((1, spec.in_channels, *shape))
     try:
         out = predictor(batch)
     except InferenceError as exc:
@@ -60,7 +64,7 @@ def check_forward(spec: ModelSpec, predictor: BasePredictor) -> None:
             f"{spec.where}: field 'out_channels' is {spec.out_channels}, the network returns {out.shape[1]}"
         )
     got = tuple(int(s) for s in out.shape[2:])
-    if got != (size * spec.scale,) * spec.spatial_dims:
+    if got != tuple(s * spec.scale for s in shape):
         ratios = {s / size for s in got}
         ratio = ratios.pop() if len(ratios) == 1 else None
         if ratio is not None and ratio == int(ratio) and ratio >= 1:

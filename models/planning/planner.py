@@ -5,7 +5,8 @@ halo rule (a given halo, or ``auto``: the calibrated halo capped for each tile),
 :func:`size_plan`, which applies, in this order:
 
 1. a tile-dependent network keeps its tile (its output depends on it); so does a tile given by the
-   request with a given halo;
+   request with a given halo; a network of ``fixed_tile`` (a transformer) takes no other tile
+   (:class:`~models.errors.ParamError` names it);
 2. with ``TILEWISE_MEMORY_BUDGET`` and no tile in the request: the **fit** rule picks tile and batch
    (least predicted network time within the budget);
 3. otherwise the **grow** rule: when the plan feeds more than ``WORK_TARGET`` (2.4) voxels through
@@ -33,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from models.planning.cost import network_seconds, peak_bytes
-from models.errors import DeviceOutOfMemoryError
+from models.errors import DeviceOutOfMemoryError, ParamError
 from models.measure.footprint import Footprint
+from models.planning.cost import network_seconds, peak_bytes
 from models.planning.params import Blend, OutputKind, Tta
 from models.planning.plan import RunPlan
 from models.planning.sizing import Candidate, Sizer, batch_options, shrink_tile
@@ -201,6 +202,14 @@ def size_plan(
     ``output_on_disk`` are the request's own (:func:`models.planning.cost.peak_bytes`): a budget bounds the
     whole request.
     """
+    window = spec.defaults.tile
+    window_t = (window,) * len(shape) if isinstance(window, int) else tuple(window or ())
+    if spec.fixed_tile and tile != window_t:
+        fixed = ",".join(map(str, window_t))
+        raise ParamError(
+            f"tile={','.join(map(str, tile))}: model {spec.name!r} takes exactly tile={fixed} (a "
+            "transformer's input size, fixed by its patch grid); leave tile unset"
+        )
     rules = [halo_of]  # the rule in force: a verified tile may bring its own
 
     align = spec.alignment_per_axis

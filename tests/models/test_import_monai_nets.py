@@ -159,15 +159,3 @@ def test_torchscript_runtime_error_summarized_in_one_line() -> None:
     assert len(str(caught.value)) > 1000 and "\n" in str(caught.value)
     line = error_summary(caught.value)
     assert "\n" not in line and len(line) <= 300 and "Error" in line and "size" in line.lower(), line
-
-
-@pytest.mark.slow
-def test_swinunetr_is_refused_in_one_line(tmp_path: Path, capsys: Any) -> None:
-    """SwinUNETR's traced graph keeps the window partition of the traced size: refused, naming the size."""
-    need("monai")
-    bundle = tmp_path / "bundle"
-    assert main(["import-model", "--example-bundle", str(bundle), "--example-network", "SwinUNETR"]) == 0
-    capsys.readouterr()
-    assert main(["import-model", str(bundle), "--models", str(tmp_path / "m")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "fails on input (96, 96, 96)" in err, err
