@@ -276,7 +276,8 @@ def _run_one(
             keys = reuse.keys(batch.data, batch.filled)
             x = transfers.to_device(batch, reader)
             with torch.inference_mode():
-                pred = reuse.predict(predictor, x, keys, functools.partial(_check_output, grid=grid, c_out=c_out))
+                check = functools.partial(_check_output, grid=grid, c_out=c_out)
+                pred = reuse.predict(predictor, x, keys, check)
             c_out = int(pred.shape[1])
             logger.debug("batch %d: %d tiles -> %s", b, len(batch.tiles), tuple(pred.shape))
             in_flight.append((batch, transfers.from_device(pred)))
