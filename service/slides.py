@@ -45,8 +45,16 @@ __all__ = [
     "SlideRegions",
     "TissueMask",
     "choose_resolution",
+    "count_background",
+    "expected_skipped",
     "open_slide",
+    "open_slide_regions",
+    "open_slide_source",
     "probe_slide",
+    "resolution_of",
+    "slide_info",
+    "slide_probe",
+    "whole_slide_check",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,6 +94,78 @@ class SlideInfo:
             "mpp": self.mpp,
             "vendor": self.vendor,
         }
+
+
+def slide_probe(info: SlideInfo) -> Any:
+    """The :class:`~service.codecs.Probe` of a slide: level 0 ``(H, W)``, 3 channels, uint8; its
+    ``info`` holds ``slide: true`` and :meth:`SlideInfo.describe`'s keys (``mpp_note`` too)."""
+    from service.codecs.volume import Probe
+
+    w, h, _ = info.levels[0]
+    return Probe("tiff", (h, w), 3, np.dtype(np.uint8), w * h * 3,
+                 {"slide": True, **info.describe(), "mpp_note": info.mpp_note})  # fmt: skip
+
+
+def slide_info(header: Any) -> SlideInfo | None:
+    """The :class:`SlideInfo` a probe carries, ``None`` for an input that is no slide."""
+    meta = getattr(header, "info", None) or {}
+    if not meta.get("slide"):
+        return None
+    levels = tuple((int(w), int(h), float(d)) for w, h, d in meta["levels"])
+    return SlideInfo(meta["reader"], meta.get("vendor"), levels, meta.get("mpp"), meta.get("mpp_note"))
+
+
+def resolution_of(header: Any, spec: Any, params: Any) -> Resolution | None:
+    """The :class:`Resolution` a request reads a slide at (``None`` for no slide): the request's
+    ``level`` or ``mpp``, else the spec's ``mpp``."""
+    info = slide_info(header)
+    if info is None:
+        return None
+    spec_mpp = None if getattr(spec, "mpp", None) is None else float(spec.mpp[1])
+    return choose_resolution(info, spec_mpp, params.mpp, params.level)
+
+
+def whole_slide_check(header: Any, spec: Any, params: Any, reason: str | None) -> bool:
+    """Whether ``header`` is a slide; one that cannot be streamed (``reason``) is decoded whole at
+    level 0 only, so a request for another level or mpp is refused.
+
+    Raises:
+        UnusableInputError: a slide whose requested level or mpp needs the region reader, with
+            ``reason`` why this request cannot use it.
+    """
+    resolution = resolution_of(header, spec, params)
+    if resolution is None:
+        return False
+    if reason is not None and (resolution.level != 0 or resolution.factor != 1.0):
+        raise UnusableInputError(
+            f"this slide is read at level {resolution.level} (resampled x{resolution.factor:.3g}) only by "
+            f"region, which this request cannot use: {reason}; ask for level=0"
+        )
+    return True
+
+
+def open_slide_source(path: Path, header: Any, spec: Any, params: Any) -> SlideRegions | None:
+    """The slide of ``header`` read by region at the request's resolution, with the tissue mask
+    unless ``params.mask`` is ``none``; ``None`` for an input that is no slide."""
+    resolution = resolution_of(header, spec, params)
+    info = slide_info(header)
+    if resolution is None or info is None:
+        return None
+    if resolution.note is not None:
+        logger.warning("slide: %s; read at level 0 as it is", resolution.note)
+    return open_slide_regions(path, info, resolution, mask=str(params.mask or "auto") == "auto")
+
+
+def expected_skipped(plan: Any, regions: Any) -> Any:
+    """``plan`` with :attr:`~models.RunPlan.skipped` set to the tiles a slide's tissue mask leaves
+    unrun (all its background tiles but the one blank computed), when ``regions`` has a mask."""
+    mask = getattr(regions, "mask", None)
+    if mask is None or getattr(regions, "glass", None) is None:
+        return plan
+    import dataclasses
+
+    n = count_background(plan.grid, mask)
+    return dataclasses.replace(plan, skipped=max(n - 1, 0) * len(plan.flips))
 
 
 def _plausible(mpp: Any, source: str) -> tuple[float | None, str | None]:
@@ -230,7 +310,9 @@ class _TifffileSlide(_Slide):
         import zarr
 
         self.info = info
-        self._stores = [tifffile.imread(path, aszarr=True, series=0, level=k) for k in range(len(info.levels))]
+        self._stores = [
+            tifffile.imread(path, aszarr=True, series=0, level=k) for k in range(len(info.levels))
+        ]
         self._arrays = [zarr.open(s, mode="r") for s in self._stores]
         self._lock = threading.Lock()
 

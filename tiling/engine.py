@@ -164,6 +164,7 @@ def tiled_inference(
         else tqdm(total=total, disable=not progress, unit="tile", desc="tiles")
     )  # fmt: skip
     reuse = TileReuse() if reuse is None else reuse
+    reuse.forget()  # predictions of another grid's tiles never answer this one's
     try:
         if not is_torch:
             resume = resume or Resume()

@@ -72,6 +72,10 @@ class TileReuse:
         """Tiles the network ran."""
         return self.n_tiles - self.n_reused
 
+    def forget(self) -> None:
+        """Drop the kept predictions (a new run, maybe of another tile shape); counts stay."""
+        self._cache.clear()
+
     def fill(self, tile: Tile) -> Sequence[float] | None:
         """The values to feed instead of reading ``tile`` (counted), or ``None``."""
         if self.skip is None:

@@ -34,7 +34,9 @@ def _ihc() -> np.ndarray:
 _IHC: np.ndarray | None = None
 
 
-def content(y0: int, y1: int, x0: int, x1: int, shape: tuple[int, int], tissue: tuple[float, ...]) -> np.ndarray:
+def content(
+    y0: int, y1: int, x0: int, x1: int, shape: tuple[int, int], tissue: tuple[float, ...]
+) -> np.ndarray:
     """Level-0 pixels ``[y0, y1) x [x0, x1)`` ``(h, w, 3)`` uint8 of a slide of ``shape`` ``(H, W)``
     whose tissue is the box ``tissue = (top, left, bottom, right)`` (fractions of the slide)."""
     global _IHC
@@ -94,7 +96,12 @@ def write_svs(path: Path, shape=(3000, 4000), n_levels=3, mpp=0.25, tissue=(0.3,
         tif.write(_tiles(0, shapes[0], tile, shape, tissue), shape=(H, W, 3), description=desc, **kw)
         k = max(0, n_levels - 1)
         thumb = level_content(k, 0, shapes[k][0], 0, shapes[k][1], shape, tissue)
-        tif.write(thumb, photometric="rgb", metadata=None, description=f"Aperio Image Library v12.0.15 \r\n{W}x{H} -> thumb")
+        tif.write(
+            thumb,
+            photometric="rgb",
+            metadata=None,
+            description=f"Aperio Image Library v12.0.15 \r\n{W}x{H} -> thumb",
+        )
         for level in range(1, n_levels):
             h, w = shapes[level]
             tif.write(_tiles(level, (h, w), tile, shape, tissue), shape=(h, w, 3),
@@ -113,8 +120,9 @@ def write_ome(path: Path, shape=(3000, 4000), n_levels=3, mpp=0.25, tissue=(0.3,
     meta = {"axes": "YXS", "PhysicalSizeX": mpp, "PhysicalSizeY": mpp, "PhysicalSizeXUnit": "µm",
             "PhysicalSizeYUnit": "µm"}  # fmt: skip
     with tifffile.TiffWriter(path, bigtiff=H * W * 3 > 2**31, ome=True) as tif:
+        res = {"resolution": (1e4 / mpp, 1e4 / mpp), "resolutionunit": "CENTIMETER"}
         tif.write(_tiles(0, shapes[0], tile, shape, tissue), shape=(H, W, 3), subifds=n_levels - 1,
-                  metadata=meta, resolution=(1e4 / mpp, 1e4 / mpp), resolutionunit="CENTIMETER", **kw)  # fmt: skip
+                  metadata=meta, **res, **kw)  # fmt: skip
         for level in range(1, n_levels):
             h, w = shapes[level]
             tif.write(_tiles(level, (h, w), tile, shape, tissue), shape=(h, w, 3), subfiletype=1, **kw)
