@@ -52,6 +52,7 @@ __all__ = [
     "open_slide_source",
     "probe_slide",
     "resolution_of",
+    "slide_fields",
     "slide_info",
     "slide_probe",
     "whole_slide_check",
@@ -166,6 +167,26 @@ def expected_skipped(plan: Any, regions: Any) -> Any:
 
     n = count_background(plan.grid, mask)
     return dataclasses.replace(plan, skipped=max(n - 1, 0) * len(plan.flips))
+
+
+def slide_fields(path: Path, header: Any, spec: Any, params: Any, plan: Any) -> dict[str, Any]:
+    """The dry run's slide keys (``reader``, ``levels``, ``mpp``, ``vendor``, ``level_used``,
+    ``mpp_used``, ``resampled``) and ``plan`` with its expected ``skipped`` (the tissue mask is made
+    from a low level: a small read); ``{}`` for an input that is no slide."""
+    p = params.merged(spec.defaults)
+    resolution = resolution_of(header, spec, p)
+    info = slide_info(header)
+    if resolution is None or info is None:
+        return {}
+    fields: dict[str, Any] = {**info.describe(), "level_used": resolution.level, "mpp_used": resolution.mpp,
+                              "resampled": resolution.factor != 1.0}  # fmt: skip
+    if str(p.mask or "auto") == "auto":
+        regions = open_slide_regions(path, info, resolution, mask=True)
+        try:
+            fields["plan"] = expected_skipped(plan, regions)
+        finally:
+            regions.close()
+    return fields
 
 
 def _plausible(mpp: Any, source: str) -> tuple[float | None, str | None]:
