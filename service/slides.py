@@ -50,6 +50,7 @@ __all__ = [
     "open_slide",
     "open_slide_regions",
     "open_slide_source",
+    "probe_dicom_wsi",
     "probe_slide",
     "resolution_of",
     "slide_fields",
@@ -97,14 +98,42 @@ class SlideInfo:
         }
 
 
-def slide_probe(info: SlideInfo) -> Any:
+def slide_probe(info: SlideInfo, kind: str = "tiff") -> Any:
     """The :class:`~service.codecs.Probe` of a slide: level 0 ``(H, W)``, 3 channels, uint8; its
     ``info`` holds ``slide: true`` and :meth:`SlideInfo.describe`'s keys (``mpp_note`` too)."""
     from service.codecs.volume import Probe
 
     w, h, _ = info.levels[0]
-    return Probe("tiff", (h, w), 3, np.dtype(np.uint8), w * h * 3,
+    return Probe(kind, (h, w), 3, np.dtype(np.uint8), w * h * 3,
                  {"slide": True, **info.describe(), "mpp_note": info.mpp_note})  # fmt: skip
+
+
+#: SOP class of DICOM whole-slide images (VL Whole Slide Microscopy Image Storage).
+WSI_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.6"
+
+
+def probe_dicom_wsi(path: Path) -> Any:
+    """The :class:`~service.codecs.Probe` (kind ``slide``, reader ``openslide``) of a DICOM
+    whole-slide image file, ``None`` for any other DICOM input (a folder, a zip, a series).
+
+    Raises:
+        UnusableInputError: a DICOM-WSI without the ``openslide`` extra, or one OpenSlide cannot open.
+    """
+    if path.is_dir():
+        return None
+    import pydicom
+
+    try:
+        meta = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPClassUID"])
+    except Exception:  # noqa: BLE001 - not one DICOM file (a zip): the series reader decides
+        return None
+    if str(meta.get("SOPClassUID", "")) != WSI_SOP_CLASS:
+        return None
+    slide = _OpenSlide(path, what="a DICOM whole-slide image (VL Whole Slide Microscopy Image Storage)")
+    try:
+        return slide_probe(slide.info, kind="slide")
+    finally:
+        slide.close()
 
 
 def slide_info(header: Any) -> SlideInfo | None:
@@ -152,19 +181,23 @@ def open_slide_source(path: Path, header: Any, spec: Any, params: Any) -> SlideR
     info = slide_info(header)
     if resolution is None or info is None:
         return None
-    if resolution.note is not None:
-        logger.warning("slide: %s; read at level 0 as it is", resolution.note)
     return open_slide_regions(path, info, resolution, mask=str(params.mask or "auto") == "auto")
 
 
 def expected_skipped(plan: Any, regions: Any) -> Any:
     """``plan`` with :attr:`~models.RunPlan.skipped` set to the tiles a slide's tissue mask leaves
-    unrun (all its background tiles but the one blank computed), when ``regions`` has a mask."""
+    unrun (all its background tiles but the one blank computed), when ``regions`` has a mask, and
+    the warning of a slide whose mpp is missing or implausible."""
+    import dataclasses
+
+    resolution = getattr(regions, "resolution", None)
+    note = None if resolution is None else resolution.note
+    if note is not None:  # the X-Tilewise-Warning of a slide without a usable mpp
+        said = f"{note}; read at level 0 as it is"
+        plan = dataclasses.replace(plan, warning=f"{plan.warning}; {said}" if plan.warning else said)
     mask = getattr(regions, "mask", None)
     if mask is None or getattr(regions, "glass", None) is None:
         return plan
-    import dataclasses
-
     n = count_background(plan.grid, mask)
     return dataclasses.replace(plan, skipped=max(n - 1, 0) * len(plan.flips))
 
@@ -275,7 +308,7 @@ def open_slide(path: Path, info: SlideInfo | None = None) -> _Slide:
     """
     if info is None:
         info = probe_slide(path)
-    if info is None:
+    if info is None or info.reader == "openslide":
         return _OpenSlide(path)
     if info.reader == "tiffslide":
         return _TiffSlide(path, info)
@@ -347,13 +380,11 @@ class _TifffileSlide(_Slide):
 
 
 class _OpenSlide(_Slide):
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, what: str = "not a TIFF-family slide") -> None:
         try:
             import openslide
         except ImportError:
-            raise UnusableInputError(
-                f"{path.name}: not a TIFF-family slide; DICOM-WSI and MRXS need the `openslide` extra"
-            ) from None
+            raise UnusableInputError(f"{what}: DICOM-WSI and MRXS need the `openslide` extra") from None
         try:
             self._slide = openslide.OpenSlide(str(path))
         except openslide.OpenSlideError as exc:
