@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 MPP_RANGE = (0.02, 20.0)
 #: A level whose mpp is within this relative difference of the target is read as it is.
 MPP_SAME = 0.01
+#: A mask pixel further than this from the glass's colour (any channel, 0-255) is tissue.
+GLASS_TOLERANCE = 10.0
 #: The tissue mask is made on at most this many pixels per side.
 MASK_SIDE = 2048
 _SLIDE_FLAGS = ("is_svs", "is_ndpi", "is_scn", "is_philips", "is_bif", "is_qpi")
@@ -460,9 +462,10 @@ def choose_resolution(info: SlideInfo, spec_mpp: float | None, mpp: Any, level: 
 
 class TissueMask:
     """Tissue on a low level: saturation (HSV) above Otsu's threshold (clamped to 0.02-0.08, so a
-    slide that is all tissue is never split in two) or dark (mean optical density above 0.25),
-    dilated by 2 mask pixels; and the glass colour, read at the background pixel farthest from
-    tissue.
+    slide that is all tissue is never split in two), dark (mean optical density above 0.25) or
+    further than :data:`GLASS_TOLERANCE` from the glass's colour (the median of the rest), dilated
+    by 2 mask pixels, holes filled; and the glass colour, read at the background pixel farthest
+    from tissue.
 
     Args:
         thumb: ``(h, w, 3)`` uint8, the whole slide at a low resolution.
@@ -487,7 +490,11 @@ class TissueMask:
         threshold = min(max(threshold, 0.02), 0.08)
         density = -np.log10(np.maximum(thumb.astype(np.float32), 1.0) / 255.0).mean(axis=-1)
         tissue = (sat > threshold) | (density > 0.25)
-        self.tissue = ndimage.binary_dilation(tissue, iterations=2)
+        if not tissue.all():  # and any colour away from the glass's (unstained but not empty)
+            glass = np.median(thumb[~tissue], axis=0)
+            tissue |= np.abs(thumb.astype(np.float32) - glass).max(axis=-1) > GLASS_TOLERANCE
+        # holes (a lumen, a fat cell) are tissue: only glass open to the slide's edge is skipped
+        self.tissue = ndimage.binary_fill_holes(ndimage.binary_dilation(tissue, iterations=2))
         self.thumb_shape = tuple(int(n) for n in tissue.shape)
         self.out_shape = out_shape
         self._sum = np.pad(self.tissue.astype(np.int32).cumsum(0).cumsum(1), ((1, 0), (1, 0)))
