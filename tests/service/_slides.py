@@ -58,6 +58,13 @@ def level_content(level: int, y0: int, y1: int, x0: int, x1: int, shape, tissue)
     """Pixels of ``level`` (each level the 2x box mean of the one below, rounded) in its own coordinates."""
     if level == 0:
         return content(y0, y1, x0, x1, shape, tissue)
+    H, W = shape
+    f = 1 << level
+    if (y1 * f <= int(tissue[0] * H) or y0 * f >= int(tissue[2] * H) or x1 * f <= int(tissue[1] * W)
+            or x0 * f >= int(tissue[3] * W)):  # fmt: skip
+        out = np.empty((y1 - y0, x1 - x0, 3), np.uint8)  # all glass: its box mean is the glass
+        out[...] = GLASS
+        return out
     below = level_content(level - 1, 2 * y0, 2 * y1, 2 * x0, 2 * x1, shape, tissue).astype(np.float32)
     h, w = below.shape[0] // 2, below.shape[1] // 2
     return np.round(below[: 2 * h, : 2 * w].reshape(h, 2, w, 2, 3).mean(axis=(1, 3))).astype(np.uint8)
