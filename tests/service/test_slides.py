@@ -274,3 +274,24 @@ def test_big_slide_peak_rss_tiles_run_and_oracle_windows(tmp_path):
     assert report["constant_pairs"] >= 2 and report["constant_diff"] == 0.0
     assert report["skipped"] == report["expected_skipped"]
     assert math.isfinite(report["seconds"])
+
+
+def test_spec_mpp_reads_the_slide_at_the_models_resolution(slides):
+    import yaml
+    from pydantic import ValidationError
+
+    from models.spec import ModelSpec
+    from service.codecs import probe
+    from service.slides import resolution_of
+
+    raw = yaml.safe_load((Path(__file__).parents[2] / "models" / "builtin" / "gaussian-2d.yaml").read_text())
+    spec = ModelSpec.model_validate({**raw, "mpp": 0.5})
+    assert spec.mpp == (0.5, 0.5) and spec.info()["mpp"] == [0.5, 0.5]
+    header = probe(slides["svs"])
+    assert header.info["slide"] and header.info["mpp"] == 0.25
+    assert resolution_of(header, spec, parse_params({})).level == 1  # the model's 0.5 um/px: level 1
+    assert resolution_of(header, spec, parse_params({"mpp": "1.0"})).level == 2  # the request's
+    assert resolution_of(header, spec, parse_params({"level": "0"})).level == 0
+    three = yaml.safe_load((Path(__file__).parents[2] / "models" / "builtin" / "gaussian-3d.yaml").read_text())
+    with pytest.raises(ValidationError, match="needs a 2D model"):
+        ModelSpec.model_validate({**three, "mpp": 0.5})
