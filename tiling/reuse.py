@@ -7,7 +7,8 @@ Two decisions, both per tile, both made by the engine before the network sees a 
 - *constant reuse* (exact): a tile whose whole input, halo and padding included, holds one value
   per channel (scanner padding, blank glass, the air outside a CT's field of view) gives the same
   prediction wherever it lies, since the network sees the same array. The first such tile of a
-  value runs; every later one takes a copy of that prediction. The crop and the blend window stay
+  value runs (with its batch); every tile of that value in a later batch takes a copy of that
+  prediction. The crop and the blend window stay
   the tile's own, so the result equals a run without reuse (difference 0 on a deterministic
   predictor; up to the predictor's batch-size rounding otherwise).
 - *skip* (a caller's decision, e.g. a tissue mask): ``skip(tile)`` returns the per-channel values to
@@ -101,20 +102,20 @@ class TileReuse:
 
     def predict(self, predictor: Callable[[torch.Tensor], Any], data: torch.Tensor, keys: list[bytes | None],
                 check: Callable[[Any, int], torch.Tensor]) -> torch.Tensor:  # fmt: skip
-        """The predictions of the batch ``data`` ``(B, C, *S)``: the network runs only the tiles
-        that are not constant or whose value it has not seen; the rest are copies.
+        """The predictions of the batch ``data`` ``(B, C, *S)``: the network runs every tile but the
+        constant ones whose value an earlier batch ran (those are copies of its prediction).
 
         ``check(prediction, n)`` validates a raw predictor output for ``n`` tiles (shape, type) and
         returns it as a tensor.
         """
         self.n_tiles += len(keys)
-        first: dict[bytes, int] = {}
+        first: dict[bytes, int] = {}  # a value first seen in this batch: its first tile is kept
         run: list[int] = []
         for k, key in enumerate(keys):
-            if key is None or (key not in self._cache and key not in first):
+            if key is None or key not in self._cache:  # a batch runs whole but for values seen before
                 run.append(k)
                 if key is not None:
-                    first[key] = k
+                    first.setdefault(key, k)
         if len(run) == len(keys):
             pred = check(predictor(data), len(keys))
         elif run:
@@ -128,11 +129,10 @@ class TileReuse:
         for k, key in enumerate(keys):
             if key is None:
                 continue
-            if key in first and first[key] == k:
-                if len(self._cache) < MAX_CACHED:
+            if key in first:  # ran in this batch
+                if first[key] == k and len(self._cache) < MAX_CACHED:
                     self._cache[key] = pred[k].clone()
                 continue
-            source = self._cache.get(key)
-            pred[k] = source if source is not None else pred[first[key]]
+            pred[k] = self._cache[key]
             self.n_reused += 1
         return pred
