@@ -45,7 +45,7 @@ __all__ = [
     "SlideRegions",
     "TissueMask",
     "choose_resolution",
-    "count_background",
+    "background_tiles",
     "expected_skipped",
     "open_slide",
     "open_slide_regions",
@@ -188,7 +188,7 @@ def open_slide_source(path: Path, header: Any, spec: Any, params: Any) -> SlideR
 
 def expected_skipped(plan: Any, regions: Any) -> Any:
     """``plan`` with :attr:`~models.RunPlan.skipped` set to the tiles a slide's tissue mask leaves
-    unrun (all its background tiles but the one blank computed), when ``regions`` has a mask, and
+    unrun (its background tiles but those of the first batch that holds any), when ``regions`` has a mask, and
     the warning of a slide whose mpp is missing or implausible."""
     import dataclasses
 
@@ -200,8 +200,13 @@ def expected_skipped(plan: Any, regions: Any) -> Any:
     mask = getattr(regions, "mask", None)
     if mask is None or getattr(regions, "glass", None) is None:
         return plan
-    n = count_background(plan.grid, mask)
-    return dataclasses.replace(plan, skipped=max(n - 1, 0) * len(plan.flips))
+    flags = background_tiles(plan.grid, mask)
+    batch = int(plan.batch_size)
+    # the engine runs a batch whole but for values an earlier batch ran: the first batch holding
+    # background tiles runs them all (tiling.reuse), every later one is a copy
+    first = next((flags[i : i + batch] for i in range(0, len(flags), batch) if any(flags[i : i + batch])), [])
+    skipped = sum(flags) - sum(first)
+    return dataclasses.replace(plan, skipped=skipped * len(plan.flips))
 
 
 def slide_fields(path: Path, header: Any, spec: Any, params: Any, plan: Any) -> dict[str, Any]:
@@ -616,14 +621,13 @@ def open_slide_regions(path: Path, info: SlideInfo, resolution: Resolution, mask
     return SlideRegions(slide, resolution, tissue)
 
 
-def count_background(grid: Any, mask: TissueMask | None) -> int:
-    """Tiles of ``grid`` whose whole read region (halo included) lies outside the tissue."""
-    if mask is None:
-        return 0
+def background_tiles(grid: Any, mask: TissueMask) -> list[bool]:
+    """Per tile of ``grid`` (C order): whether its whole read region (halo included) lies outside
+    the tissue."""
     from tiling.reuse import read_box
 
-    n = 0
+    flags = []
     for tile in grid.tiles():
         (y0, x0), (y1, x1) = read_box(grid, tile)
-        n += mask.background(y0, y1, x0, x1)
-    return n
+        flags.append(mask.background(y0, y1, x0, x1))
+    return flags

@@ -81,6 +81,20 @@ def _tiles(level: int, lshape: tuple[int, int], tile: int, shape, tissue):
             yield block
 
 
+def _thumbnail(shapes, shape, tissue, side: int = 1024) -> np.ndarray:
+    """The lowest level, built tile by tile, then every ``k``-th pixel so that it is at most ``side``."""
+    k = len(shapes) - 1
+    h, w = shapes[k]
+    low = np.empty((h, w, 3), np.uint8)
+    for y in range(0, h, 1024):
+        for x in range(0, w, 1024):
+            low[y : y + 1024, x : x + 1024] = level_content(
+                k, y, min(y + 1024, h), x, min(x + 1024, w), shape, tissue
+            )
+    step = max(1, -(-max(h, w) // side))
+    return np.ascontiguousarray(low[::step, ::step])
+
+
 def level_shapes(shape: tuple[int, int], n_levels: int) -> list[tuple[int, int]]:
     """``(H, W)`` per level (each half the one below, rounded down)."""
     return [(shape[0] >> k, shape[1] >> k) for k in range(n_levels)]
@@ -101,8 +115,7 @@ def write_svs(path: Path, shape=(3000, 4000), n_levels=3, mpp=0.25, tissue=(0.3,
           "metadata": None}  # fmt: skip
     with tifffile.TiffWriter(path, bigtiff=H * W * 3 > 2**31) as tif:
         tif.write(_tiles(0, shapes[0], tile, shape, tissue), shape=(H, W, 3), description=desc, **kw)
-        k = max(0, n_levels - 1)
-        thumb = level_content(k, 0, shapes[k][0], 0, shapes[k][1], shape, tissue)
+        thumb = _thumbnail(shapes, shape, tissue)
         tif.write(
             thumb,
             photometric="rgb",

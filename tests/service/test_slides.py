@@ -212,7 +212,8 @@ def test_slide_run_equals_the_oracle_and_skips_the_glass(slides, model, tmp_path
     plan = dry_run(model, path, parse_params({}), Limits())
     auto = run_file(model, path, tmp_path / "auto", parse_params({}), limits=Limits())
     none = run_file(model, path, tmp_path / "none", parse_params({"mask": "none"}), limits=Limits())
-    assert plan["skipped"] == auto.plan.skipped > 0.5 * plan["tiles"]  # 84 % glass here
+    # the dry run counts the tiles outside the mask; the run also copies constant glass it read
+    assert 0.5 * plan["tiles"] < plan["skipped"] <= auto.plan.skipped <= plan["skipped"] + 8  # 80 % glass
     assert f"skipped={auto.plan.skipped}" in auto.plan.header()
     with tiffslide.TiffSlide(path) as slide:
         level0 = np.asarray(slide.zarr_group["0"][:])
@@ -255,9 +256,14 @@ BIG, BIG_TISSUE = (50_000, 50_000), (0.2, 0.2236, 0.7477, 0.7714)  # 30 % tissue
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(5400)
 def test_big_slide_peak_rss_tiles_run_and_oracle_windows(tmp_path):
-    """50,000 x 50,000 RGB (JPEG, 4 levels, 70 % glass) through gaussian-2d in a subprocess."""
-    path = write_svs(tmp_path / "big.svs", BIG, n_levels=4, mpp=0.25, tissue=BIG_TISSUE, tile=512)
+    """50,000 x 50,000 RGB (SVS layout, 4 levels, 70 % glass) through gaussian-2d in a subprocess.
+
+    Its tiles are zstd-compressed, not JPEG (the small SVS slides above are JPEG): encoding 7.5 GB of
+    pixels as JPEG takes ten minutes of a loaded CI core, zstd one or two."""
+    path = write_svs(tmp_path / "big.svs", BIG, n_levels=4, mpp=0.25, tissue=BIG_TISSUE, tile=512,
+                     compression="zstd")  # fmt: skip
     out = tmp_path / "big-out"
     script = Path(__file__).with_name("_slide_worker.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
@@ -272,7 +278,7 @@ def test_big_slide_peak_rss_tiles_run_and_oracle_windows(tmp_path):
     assert 0.2 <= ran <= 0.4, report  # ~30 % of the grid runs
     assert report["max_diff"] <= ATOL and report["windows"] == 20 and report["skipped_windows"] >= 5
     assert report["constant_pairs"] >= 2 and report["constant_diff"] == 0.0
-    assert report["skipped"] == report["expected_skipped"]
+    assert report["expected_skipped"] <= report["skipped"]  # the run also copies constant glass it read
     assert math.isfinite(report["seconds"])
 
 
@@ -292,6 +298,8 @@ def test_spec_mpp_reads_the_slide_at_the_models_resolution(slides):
     assert resolution_of(header, spec, parse_params({})).level == 1  # the model's 0.5 um/px: level 1
     assert resolution_of(header, spec, parse_params({"mpp": "1.0"})).level == 2  # the request's
     assert resolution_of(header, spec, parse_params({"level": "0"})).level == 0
-    three = yaml.safe_load((Path(__file__).parents[2] / "models" / "builtin" / "gaussian-3d.yaml").read_text())
+    three = yaml.safe_load(
+        (Path(__file__).parents[2] / "models" / "builtin" / "gaussian-3d.yaml").read_text()
+    )
     with pytest.raises(ValidationError, match="needs a 2D model"):
         ModelSpec.model_validate({**three, "mpp": 0.5})
