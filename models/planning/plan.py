@@ -88,7 +88,7 @@ class RunPlan:
         network, the halo and overlap per axis, the tile count (every pass) and :attr:`work`. With
         ``tta=mirror`` it ends in ``; passes=8`` (the grid of ``tiles / passes`` tiles ran once per
         flip), so a given tile's grid is seen to be the grid of the same request without TTA; then
-        ``; skipped=N`` when :attr:`skipped` is known.
+        ``; skipped=N`` when tiles were (or are expected to be) skipped.
         """
 
         def axes(values: tuple[int, ...]) -> str:
@@ -98,5 +98,5 @@ class RunPlan:
             f"tile={axes(self.grid.used_tile_shape)}; halo={axes(self.halo)}; "
             f"overlap={axes(self.overlap)}; tiles={self.n_tiles}; work={self.work:.2f}"
             + (f"; passes={len(self.flips)}" if len(self.flips) > 1 else "")
-            + (f"; skipped={self.skipped}" if self.skipped is not None else "")
+            + (f"; skipped={self.skipped}" if self.skipped else "")
         )
