@@ -326,6 +326,8 @@ class _Slide:
     """One open slide: :attr:`info` and :meth:`read` of a level's region as ``(h, w, 3)`` uint8."""
 
     info: SlideInfo
+    #: the pixels' dtype (uint8 for brightfield RGB; uint16 for some fluorescence slides)
+    dtype: np.dtype[Any] = np.dtype(np.uint8)
 
     def level_shape(self, level: int) -> tuple[int, int]:
         """``(height, width)`` of ``level``."""
@@ -355,6 +357,7 @@ class _TiffSlide(_Slide):
         self.info = info
         self._slide = tiffslide.TiffSlide(path)
         self._group = self._slide.zarr_group
+        self.dtype = np.dtype(self._group["0"].dtype)
         self._lock = threading.Lock()
 
     def read(self, level: int, y0: int, y1: int, x0: int, x1: int) -> np.ndarray:
@@ -375,6 +378,7 @@ class _TifffileSlide(_Slide):
             tifffile.imread(path, aszarr=True, series=0, level=k) for k in range(len(info.levels))
         ]
         self._arrays = [zarr.open(s, mode="r") for s in self._stores]
+        self.dtype = np.dtype(self._arrays[0].dtype)
         self._lock = threading.Lock()
 
     def read(self, level: int, y0: int, y1: int, x0: int, x1: int) -> np.ndarray:
@@ -555,7 +559,7 @@ class SlideRegions(RegionSource):
         self.slide = slide
         self.resolution = resolution
         self.shape = (3, *resolution.shape)
-        self.dtype = np.dtype(np.uint8 if resolution.factor == 1.0 else np.float32)
+        self.dtype = slide.dtype if resolution.factor == 1.0 else np.dtype(np.float32)
         self.slab_axis = 0
         self.mask = mask
         self.glass: np.ndarray | None = None
