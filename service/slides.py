@@ -169,8 +169,8 @@ def whole_slide_check(header: Any, spec: Any, params: Any, reason: str | None) -
     if resolution is None:
         return False
     if reason is not None and header.kind == "slide":
-        raise UnusableInputError(f"a DICOM whole-slide image is read only by region, which this request cannot "
-                                 f"use: {reason}")  # fmt: skip
+        raise UnusableInputError(f"a DICOM whole-slide image is read only by region, which this request "
+                                 f"cannot use: {reason}")  # fmt: skip
     if reason is not None and (resolution.level != 0 or resolution.factor != 1.0):
         raise UnusableInputError(
             f"this slide is read at level {resolution.level} (resampled x{resolution.factor:.3g}) only by "
