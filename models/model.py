@@ -32,7 +32,7 @@ from models.measure.receptive import HaloCalibration
 from models.measure.seams import SeamPolicy
 from models.planning.sizing import WORK_TARGET
 from models.spec import ModelSpec
-from tiling import Resume, SeamStats
+from tiling import Resume, SeamStats, TileReuse
 from tiling.geometry import as_ints
 
 __all__ = ["Model", "TiledPass"]
@@ -285,6 +285,7 @@ class Model:
         seam: SeamStats | None = None,
         tiled: TiledPass | None = None,
         replanned: Callable[[RunPlan], object] | None = None,
+        reuse: TileReuse | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
@@ -310,7 +311,8 @@ class Model:
         run that continues one stopped at a finished tile row), which a ``tta=mirror`` plan ignores:
         its passes are averaged in memory, so it always runs whole. ``tiled`` runs each tiled pass
         in place of this process's :func:`tiling.tiled_inference` (a Dask cluster); it takes
-        neither ``resume`` nor ``seam``.
+        neither ``resume`` nor ``seam``. ``reuse`` (:class:`tiling.TileReuse`) says which tiles are
+        not run (constant inputs, a skip rule) and counts them, over every pass.
 
         Raises:
             InputError: ``x`` is not the image the plan was made for.
@@ -327,6 +329,7 @@ class Model:
             raise ValueError("a tiled pass elsewhere (tiled=) takes neither resume nor seam")
         start = time.perf_counter()
         run = {"progress": progress, "should_stop": should_stop, "resume": resume, "seam": seam}
+        run["reuse"] = reuse
         result, plan = execute_plan(self, x, plan, out=out, replanned=replanned, tiled=tiled, **run)
         logger.info("model %s: %s in %.2f s", spec.name, plan.header(), time.perf_counter() - start)
         if out is not None:

@@ -20,6 +20,7 @@ A spec file (``unet3d.yaml``) looks like this; every key but the first five is o
     spacing: [1.0, 1.0, 1.0]      # mm per spatial axis the network was trained at (inputs resampled)
     resampling: extent            # where the resampled grid lies: extent (nnU-Net) | corners (MONAI)
     orientation: RAS              # axis codes the network was trained in (3-D; inputs reoriented)
+    mpp: 0.5                      # 2D: microns per pixel the network was trained at (slides read to it)
     labels: {0: background, 1: grey matter}  # label index -> name
     padding: end                  # where the image lies in its window: end | centred-monai | centred-nnunet
     mirror_axes: [0, 1, 2]        # model-grid axes that tta=mirror flips (default: all)
@@ -220,6 +221,7 @@ class ModelSpec(BaseModel):
     fixed_tile: StrictBool = False
     spacing: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)], ...] | None = None
     resampling: Resampling = Resampling.EXTENT
+    mpp: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)], ...] | None = None
     orientation: Annotated[StrictStr, AfterValidator(_orientation)] | None = None
     labels: dict[Annotated[int, Field(ge=0)], StrictStr] | None = None
     mirror_axes: tuple[Annotated[StrictInt, Field(ge=0)], ...] | None = None
@@ -243,6 +245,9 @@ class ModelSpec(BaseModel):
             for key in ("defaults", "output", "params"):  # ``key:`` with no value: the defaults
                 if key in raw and raw[key] is None:
                     del raw[key]
+            mpp = raw.get("mpp")
+            if isinstance(mpp, int | float) and not isinstance(mpp, bool):
+                raw["mpp"] = [mpp, mpp]  # one value for both axes
             rf, dims = raw.get("receptive_field"), raw.get("spatial_dims")
             if isinstance(rf, int) and not isinstance(rf, bool) and isinstance(dims, int):
                 raw["receptive_field"] = [rf] * dims  # one radius for every axis
@@ -278,6 +283,9 @@ class ModelSpec(BaseModel):
         object.__setattr__(self, "defaults", filled.model_copy(update=update))
         if self.spacing is not None and len(got := list(self.spacing)) != ndim:
             raise ValueError(f"field 'spacing' must list {ndim} values (mm per axis), got {got}")
+        if self.mpp is not None and (ndim != 2 or len(self.mpp) != 2):
+            raise ValueError(f"field 'mpp' (microns per pixel of a slide) needs a 2D model and 2 values, got "
+                             f"{list(self.mpp)} for spatial_dims={ndim}")  # fmt: skip
         if self.orientation is not None and len(self.orientation) != ndim:
             raise ValueError(f"field 'orientation' must give {ndim} axis codes, got {self.orientation!r}")
         if self.frame is not None and (len(self.frame.shape) != ndim or self.spacing is not None):
@@ -350,6 +358,7 @@ class ModelSpec(BaseModel):
             "params": dict(self.params),
             "defaults": self.defaults.model_dump(mode="json"),
             "spacing": None if self.spacing is None else list(self.spacing),
+            "mpp": None if self.mpp is None else list(self.mpp),
             "orientation": self.orientation,
             "labels": None if self.labels is None else {str(k): v for k, v in self.labels.items()},
             "tile_dependent": self.tile_dependent,

@@ -17,7 +17,9 @@ measured figures), ``over_budget`` (``null``, or why the server would refuse the
 ``streamed`` (whether the input is read by region and the output written as it finishes,
 :mod:`service.stages`), ``disk_bytes`` (disk for the output and temporaries) and
 ``warning`` (``null``, or what ``X-Tilewise-Warning`` would say: a halo below the receptive-field
-radius, or a memory budget that no plan meets).
+radius, or a memory budget that no plan meets), ``skipped`` (tiles expected not to run, when known:
+outside a slide's tissue mask) and, for slides, ``reader``, ``levels``, ``mpp``, ``vendor`` and
+``level_used`` (:mod:`service.slides`).
 ``halo="auto"`` reports the halo the run will use: the one calibrated on the same sample as the
 run (the preprocessed image on the model grid; a streamed request's synthetic sample), read from
 the measurements when that sample was calibrated before (a run, a plan, this server), else
@@ -75,6 +77,10 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
     peak = peak_bytes(plan, spec.in_channels, spec.out_channels, footprint, **held)
     grid = plan.grid
     disk = _disk_bytes(model, source, header, params, streamed=streams(header))
+    from service.slides import slide_fields
+
+    slide = slide_fields(source, header, spec, params, plan)  # {} for an input that is no slide
+    plan = slide.pop("plan", plan)
     return {
         "model": spec.name,
         "input_shape": list(header.spatial_shape),
@@ -99,6 +105,8 @@ def dry_run(model: Model, source: Path, params: InferenceParams, limits: Limits)
         "warning": plan.warning,
         "streamed": streams(header),
         "disk_bytes": disk,
+        "skipped": plan.skipped,
+        **slide,
     }
 
 

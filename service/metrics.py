@@ -11,7 +11,8 @@ replica), ``tilewise_job_tiles_computed_total{model}`` and ``tilewise_job_tiles_
 (tiles a run skipped because an earlier run of the job had finished them), and
 ``tilewise_job_takeovers_total`` (jobs this replica took from one that died or stopped).
 Stages and shared batches (issue 20): ``tilewise_stage_seconds{stage}`` (``prepare``, ``queue``,
-``execute``, ``finish``), ``tilewise_batch_fill`` and ``tilewise_batch_requests``. Jobs'
+``execute``, ``finish``), ``tilewise_batch_fill`` and ``tilewise_batch_requests``;
+``tilewise_tiles_skipped_total{model}`` (tiles not run: a slide's background, constant inputs). Jobs'
 tiles count in ``tilewise_tiles_total`` too.
 No per-request labels: ``model`` is a known model name or ``"unknown"``.
 """
@@ -53,6 +54,13 @@ class Metrics:
         )
         self.tiles = Counter(
             "tilewise_tiles", "Tiles processed, by model.", ["model"], registry=self.registry
+        )
+        self.tiles_skipped = Counter(
+            "tilewise_tiles_skipped",
+            "Tiles not run: outside a slide's tissue mask, or a constant input answered from one "
+            "computed tile.",
+            ["model"],
+            registry=self.registry,
         )
         self.queue_depth = Gauge(
             "tilewise_queue_depth",

@@ -215,7 +215,11 @@ def model_shape(spec: Any, header: Probe, params: InferenceParams) -> tuple[int,
     (the spec's spacing or frame, from the header's affine); a one-slice NIfTI is an image for a
     2D model."""
     from models.geometry.mapping import header_model_shape
+    from service.slides import resolution_of
 
+    resolution = resolution_of(header, spec, params)
+    if resolution is not None:  # a slide: the level (and resampling) the request reads
+        return resolution.shape
     shape = tuple(header.spatial_shape)
     if int(spec.spatial_dims) == 2 and header.single_slice:
         shape = shape[:2]

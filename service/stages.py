@@ -91,7 +91,21 @@ def why_not_streamed(
     """Why this request is decoded whole rather than streamed (a sentence), or ``None``.
 
     ``whole_only``: the caller needs the whole-image path (a job's slab checkpoint, a Dask pass).
+
+    Raises:
+        UnusableInputError: a slide asked at another level or mpp than level 0 by a request that
+            cannot be streamed (:func:`service.slides.whole_slide_check`).
     """
+    from service.slides import whole_slide_check
+
+    reason = _why_not_streamed(model, header, params, fmt, source, whole_only=whole_only)
+    whole_slide_check(header, model.spec, params.merged(model.spec.defaults), reason)
+    return reason
+
+
+def _why_not_streamed(
+    model: Model, header: Probe, params: InferenceParams, fmt: str, source: Path, *, whole_only: bool = False
+) -> str | None:
     from models.planning.params import OutputKind, Spacing, Tta
     from models.transforms.streamed import why_not_local
     from service.regions import why_not_regions
@@ -115,7 +129,11 @@ def why_not_streamed(
         return "halo=auto calibrates on the whole preprocessed image"
     if model.context is not None:
         return "a global-pooling model takes whole-image pool means"
-    reason = why_not_local(spec) or why_not_streamed_output(fmt, dims) or why_not_regions(source, header)
+    from service.slides import slide_info
+
+    reason = why_not_local(spec) or why_not_streamed_output(fmt, dims)
+    if reason is None and slide_info(header) is None:  # a slide is read by region (service.slides)
+        reason = why_not_regions(source, header)
     if reason is not None:
         return reason
     if p.output not in (OutputKind.LABELS, OutputKind.PROBABILITIES):  # pragma: no cover - enum
@@ -229,7 +247,9 @@ def prepare(
     regions: Any = None
     target: Any = None
     try:
-        regions = open_regions(source, header, workdir)
+        from service.slides import open_slide_source
+
+        regions = open_slide_source(source, header, spec, p) or open_regions(source, header, workdir)
         affine = header.info.get("affine")
         mapping = plan_mapping(_Shape(regions.shape), affine, spec, native=True)
         x = RegionPreprocessed(regions, spec, as_float=mapping.as_float)
@@ -241,6 +261,9 @@ def prepare(
             )
             plan = dataclasses.replace(plan, warning=f"{plan.warning}; {said}" if plan.warning else said)
         seam = model.seam_stats(plan)
+        from service.slides import expected_skipped
+
+        plan = expected_skipped(plan, regions)
         if limits.budget is not None:
             footprint = model.footprint()
             limits.budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels),
@@ -319,11 +342,14 @@ def execute(prepared: Prepared, options: RunOptions | None = None) -> RunPlan:
         options.on_plan(prepared.plan)
     ran = [prepared.plan]
     out = prepared.target.array if prepared.kept is None else prepared.kept
+    from tiling import TileReuse
+
+    reuse = TileReuse()  # constant tiles (blank glass outside a slide's tissue mask too) run once
     prepared.model.execute(
         prepared.source, prepared.plan, out=out, progress=options.progress, resume=prepared.resume,
-        should_stop=options.should_stop, seam=prepared.seam, replanned=ran.append,
+        should_stop=options.should_stop, seam=prepared.seam, replanned=ran.append, reuse=reuse,
     )  # fmt: skip
-    prepared.ran = dataclasses.replace(ran[-1], output=prepared.plan.output)
+    prepared.ran = dataclasses.replace(ran[-1], output=prepared.plan.output, skipped=reuse.n_reused)
     prepared.stages["execute"] = time.perf_counter() - started
     return prepared.ran
 

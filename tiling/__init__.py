@@ -46,6 +46,7 @@ __all__ = [
     "ShapeMismatchError",
     "Tile",
     "TileGrid",
+    "TileReuse",
     "TilingError",
     "aligned_extent",
     "calibration_margin",
@@ -66,6 +67,7 @@ __all__ = [
 _LAZY = {
     "tiled_inference": "tiling.engine",
     "SeamStats": "tiling.seam",
+    "TileReuse": "tiling.reuse",
     "pad_to_fit": "tiling.windows",
     "sample_windows": "tiling.windows",
     "sliding_windows": "tiling.windows",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from tiling.geometry import PaddingMode, as_ints, parse_enum
 from tiling.grid import TileGrid
 from tiling.merge import Merger, Reducer, make_merger
 from tiling.resume import Resume, RowTracker, resume_point
+from tiling.reuse import TileReuse
 from tiling.seam import SeamMeter, SeamStats
 from tiling.sink import Sink
 
@@ -52,6 +54,7 @@ def tiled_inference(
     resume: Resume | None = None,
     seam: SeamStats | None = None,
     grid: TileGrid | None = None,
+    reuse: TileReuse | None = None,
 ) -> Any:
     """Run ``predictor`` over overlapping tiles and reassemble by coverage-normalized overlap-add.
 
@@ -112,6 +115,10 @@ def tiled_inference(
             :meth:`TileGrid.plan` in a request's plan); its tile, halo, overlap, alignment, scale,
             border, blend and ``fixed_tile_shape`` replace the keyword arguments of the same name,
             which must then be left at their defaults or agree with it. ``None``: planned here.
+        reuse: which tiles are not run (see :mod:`tiling.reuse`), and the counts of those that were
+            not. ``None``: a fresh :class:`~tiling.reuse.TileReuse` (constant tiles reused, nothing
+            skipped). A tile whose whole input is one value per channel runs once per value; a
+            ``reuse.skip`` rule feeds the tiles it names as its fill values, unread.
 
     Returns:
         ``(C_out or C_red, *ceil(spatial * scale))`` of the input's array type (numpy for numpy,
@@ -156,20 +163,22 @@ def tiled_inference(
         _Counter(progress) if callable(progress)
         else tqdm(total=total, disable=not progress, unit="tile", desc="tiles")
     )  # fmt: skip
+    reuse = TileReuse() if reuse is None else reuse
+    reuse.forget()  # predictions of another grid's tiles never answer this one's
     try:
         if not is_torch:
             resume = resume or Resume()
             start = resume_point(grid, resume.rows_done, int(batch_size))
             sink = Sink(out, grid.out_shape, like="numpy", floor=start.floor)
             rows = RowTracker(grid, start.rows_done, resume.on_rows, sink.flush)
-            _run_one(inputs, grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar, should_stop, start.first_tile, start.origin, rows, seam)  # fmt: skip
+            _run_one(inputs, grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce, prefetch,
+                     bar, should_stop, start.first_tile, start.origin, rows, seam, reuse)  # fmt: skip
             return sink.result()
         results = []
         for n in range(shape[0]):
             sink = Sink(None if out is None else out[n], grid.out_shape, like="torch", device=acc_device)
             _run_one(inputs[n], grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce,
-                     prefetch, bar, should_stop, seam=seam)  # fmt: skip
+                     prefetch, bar, should_stop, seam=seam, reuse=reuse)  # fmt: skip
             results.append(sink.result())
         return out if out is not None else torch.stack(results)
     finally:
@@ -248,6 +257,7 @@ def _run_one(
     origin: int = 0,
     rows: RowTracker | None = None,
     seam: SeamStats | None = None,
+    reuse: TileReuse | None = None,
 ) -> None:
     """Stream the tiles of one ``(C, *spatial)`` source through ``predictor`` into ``sink``, from
     tile ``first`` (grid C order) on; ``origin`` is the first output row (axis 0) written."""
@@ -256,16 +266,19 @@ def _run_one(
     pin = transfers.run_device.type == "cuda"
     c_out: int | None = None
     in_flight: deque[tuple[Batch, Staged]] = deque()
-    with TileReader(source, grid, pad_mode, batch_size, pin=pin, prefetch=prefetch, first=first) as reader:
+    reuse = TileReuse(constant=False) if reuse is None else reuse
+    with TileReader(source, grid, pad_mode, batch_size, pin=pin, prefetch=prefetch, first=first,
+                    reuse=reuse) as reader:  # fmt: skip
         for b, batch in enumerate(reader):
             if should_stop is not None and should_stop():
                 raise RunCancelledError(
                     f"stopped by the caller before tile {first + b * batch_size} of {grid.n_tiles}"
                 )
+            keys = reuse.keys(batch.data, batch.filled)
             x = transfers.to_device(batch, reader)
             with torch.inference_mode():
-                pred = predictor(x)
-            pred = _check_output(pred, len(batch.tiles), grid, c_out)
+                check = functools.partial(_check_output, grid=grid, c_out=c_out)
+                pred = reuse.predict(predictor, x, keys, check)
             c_out = int(pred.shape[1])
             logger.debug("batch %d: %d tiles -> %s", b, len(batch.tiles), tuple(pred.shape))
             in_flight.append((batch, transfers.from_device(pred)))

@@ -26,6 +26,7 @@ import torch
 from tiling.geometry import PaddingMode
 from tiling.grid import Tile, TileGrid
 from tiling.io import read_into
+from tiling.reuse import TileReuse, read_box
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,14 @@ class Batch:
         data: ``(len(tiles), C, *tile)`` float32 view of the slot's buffer.
         slot: index of the buffer in the reader's pool.
         released: whether the slot went back to the pool.
+        filled: per tile, whether it was fed as a skip rule's fill values instead of being read.
     """
 
     tiles: list[Tile]
     data: torch.Tensor
     slot: int
     released: bool = False
+    filled: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class TileReader:
         pin: allocate the buffers in page-locked memory (for non-blocking copies to CUDA).
         prefetch: read the next batch in a background thread while the current one is used.
         first: index (C order) of the first tile read; batches hold ``batch_size`` tiles from it.
+        reuse: its ``skip`` rule decides which tiles are fed as a constant instead of being read.
 
     Every batch must be handed back with :meth:`release` once its data is no longer needed (after
     its outputs are merged: a predictor may return a view of its input). Use it as a context manager
@@ -94,8 +98,10 @@ class TileReader:
         pin: bool = False,
         prefetch: bool = False,
         first: int = 0,
+        reuse: TileReuse | None = None,
     ) -> None:
         self.source = source
+        self.reuse = reuse
         self.grid = grid
         self.pad_mode = pad_mode
         self.batch_size = batch_size
@@ -180,12 +186,18 @@ class TileReader:
         grid = self.grid
         # Buffers allocated under the caller's inference mode are inference tensors: writing them
         # in place (from this or the prefetch thread) needs inference mode too.
+        filled = []
         with torch.inference_mode(buffer.is_inference()):
             for k, tile in enumerate(tiles):
-                starts = [s - a.pad_lo for s, a in zip(tile.starts, grid.axes, strict=True)]
-                stops = [s + a.tile for s, a in zip(starts, grid.axes, strict=True)]
+                values = None if self.reuse is None else self.reuse.fill(tile)
+                filled.append(values is not None)
+                if values is not None:  # not read: fed as the skip rule's constant
+                    fill = torch.as_tensor(values, dtype=torch.float32, device=data.device)
+                    data[k].copy_(fill.reshape(-1, *([1] * (data.ndim - 2))).expand_as(data[k]))
+                    continue
+                starts, stops = read_box(grid, tile)
                 read_into(self.source, starts, stops, grid.spatial_shape, self.pad_mode, data[k])
-        return Batch(tiles, data, slot)
+        return Batch(tiles, data, slot, filled=filled)
 
     def _produce(self) -> None:
         try:

@@ -24,7 +24,7 @@ from models.planning.params import OutputKind
 from models.planning.plan import RunPlan
 from models.planning.planner import retry_smaller
 from models.transforms.preprocess import make_reduce
-from tiling import Placement, Resume, SeamStats, aligned_extent, context_halo
+from tiling import Placement, Resume, SeamStats, TileReuse, aligned_extent, context_halo
 
 if TYPE_CHECKING:
     from models.backends import PoolingContext
@@ -51,6 +51,7 @@ def execute_plan(
     seam: SeamStats | None = None,
     replanned: Callable[[RunPlan], object] | None = None,
     tiled: TiledPass | None = None,
+    reuse: TileReuse | None = None,
 ) -> tuple[npt.NDArray[Any], RunPlan]:
     """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)`` (see
     :meth:`models.Model.execute`, which checks the shapes first). ``tiled`` runs each pass
@@ -75,7 +76,7 @@ def execute_plan(
         reduce = make_reduce(spec.activation, plan.output.value)
         run = (progress, should_stop, resume, seam, replanned, tiled)
         flips = plan.flips if len(plan.flips) > 1 else None
-        result, plan = _tiled(model, x, plan, reduce, target, *run, flips=flips)
+        result, plan = _tiled(model, x, plan, reduce, target, *run, flips=flips, reuse=reuse)
         return result, plan
     # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
     logits = spec.output.tta_average == "logits"
@@ -85,7 +86,7 @@ def execute_plan(
         dims = tuple(1 + a for a in axes)
         flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
         run = (progress, should_stop, None, seam, replanned, tiled)
-        y, plan = _tiled(model, flipped, plan, per_pass, None, *run)
+        y, plan = _tiled(model, flipped, plan, per_pass, None, *run, reuse=reuse)
         y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
         total = y.copy() if total is None else total + y
     assert total is not None
@@ -114,6 +115,7 @@ def _tiled(
     replanned: Callable[[RunPlan], object] | None,
     tiled: TiledPass | None = None,
     flips: tuple[tuple[int, ...], ...] | None = None,
+    reuse: TileReuse | None = None,
 ) -> tuple[npt.NDArray[Any], RunPlan]:
     """One tiled pass, retried smaller when the device runs out of memory
     (:func:`models.planning.planner.retry_smaller`), or run by ``tiled`` elsewhere; the result and the plan
@@ -142,7 +144,7 @@ def _tiled(
                 result: npt.NDArray[Any] = tiled_inference(
                     x, predictor, grid=p.grid, batch_size=p.batch_size,
                     device=model.predictor.device, out=out, reduce=reduce, progress=progress,
-                    should_stop=should_stop, resume=r, seam=seam,
+                    should_stop=should_stop, resume=r, seam=seam, reuse=reuse,
                 )  # fmt: skip
             finally:
                 if context is not None:

@@ -338,11 +338,15 @@ def run_mapped(
     executed = plan if mapping.is_identity else dataclasses.replace(plan, output=OutputKind.PROBABILITIES)
     out, resume = start(executed) if start is not None else (None, None)
     ran = [executed]  # a smaller plan after the device ran out of memory
+    from tiling import TileReuse
+
+    reuse = TileReuse() if tiled is None else None  # constant tiles run once (tiling.reuse), counted
     pred = model.execute(
         x, executed, out=out, resume=resume, progress=progress, should_stop=should_stop, seam=seam,
-        tiled=tiled, replanned=ran.append,
+        tiled=tiled, replanned=ran.append, reuse=reuse,
     )  # fmt: skip
-    plan = dataclasses.replace(ran[-1], output=plan.output)
+    skipped = None if reuse is None else reuse.n_reused
+    plan = dataclasses.replace(ran[-1], output=plan.output, skipped=skipped)
     if mapping.is_identity:
         return MappedRun(pred, plan, mapping, seam)
     del x

@@ -21,13 +21,22 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from models.errors import ParamError
 
 __all__ = [
     "Blend",
     "InferenceParams",
+    "MaskMode",
     "OutputFormat",
     "OutputKind",
     "PerAxis",
@@ -132,6 +141,13 @@ class SegType(StrEnum):
     FRACTIONAL = "fractional"
 
 
+class MaskMode(StrEnum):
+    """Slides: ``auto`` (a tissue mask from a low level; tiles outside it are not run), ``none``."""
+
+    AUTO = "auto"
+    NONE = "none"
+
+
 class Spacing(StrEnum):
     """``model``: resample to the spec's ``spacing`` (when it has one); ``native``: never resample."""
 
@@ -227,6 +243,28 @@ def _positive_number(value: Any, info: ValidationInfo) -> Any:
 
 
 _UID_RE = re.compile(r"[0-9]+(?:\.[0-9]+)*")
+
+
+def _mpp(value: Any, info: ValidationInfo) -> Any:
+    """``model`` (any case) or a positive number of microns per pixel."""
+    if isinstance(value, str) and value.strip().lower() == "model":
+        return "model"
+    return _positive_number(value, info)
+
+
+def _level(value: Any, info: ValidationInfo) -> Any:
+    """A pyramid level: an integer >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{info.field_name}={value!r} is not an integer")
+    try:
+        number = _int(value) if isinstance(value, str) else int(value)
+    except ValueError:
+        raise ValueError(f"{info.field_name}={value!r} is not an integer") from None
+    if number < 0:
+        raise ValueError(f"{info.field_name}={number} must be >= 0 (0 is full resolution)")
+    return number
 
 
 def _uid(value: Any, info: ValidationInfo) -> Any:
@@ -327,6 +365,19 @@ class InferenceParams(BaseModel):
         description="DICOM input with a gantry tilt: `refuse` (default, 422) or `resample` onto an "
         "orthogonal grid (each slice shifted in plane, linear).",
     )
+    mpp: Annotated[float | Literal["model"] | None, BeforeValidator(_mpp)] = Field(
+        default=None,
+        description="Slides: microns per pixel to read at (the nearest level at or finer, resampled), "
+        "or `model` (default: the model's `mpp`; level 0 when it has none). Excludes `level`.",
+    )
+    level: Annotated[int | None, BeforeValidator(_level)] = Field(
+        default=None, description="Slides: the pyramid level to read (0 = full resolution). Excludes `mpp`."
+    )
+    mask: Annotated[MaskMode | None, _choice(MaskMode)] = Field(
+        default=None,
+        description="Slides: `auto` (default: a tissue mask from a low level; tiles outside it are "
+        "not run but given the network's output on blank glass) or `none`.",
+    )
     seg_type: Annotated[SegType | None, _choice(SegType)] = Field(
         default=None,
         description="format=dicom-seg: `binary` (default for labels), `labelmap`, or `fractional` "
@@ -338,6 +389,12 @@ class InferenceParams(BaseModel):
         description="`true`: answer the plan as JSON (tile, halo, batch_size, tiles, work, peak_bytes, "
         "eta_s ...) without running the network.",
     )
+
+    @model_validator(mode="after")
+    def _mpp_or_level(self) -> InferenceParams:
+        if self.level is not None and self.mpp is not None and self.mpp != "model":
+            raise ValueError(f"mpp={self.mpp} and level={self.level} exclude each other: give one")
+        return self
 
     def merged(self, defaults: InferenceParams) -> InferenceParams:
         """These parameters, with every one not given here taken from ``defaults``.

@@ -41,6 +41,9 @@ class RunPlan:
         tile_source: where :attr:`tile` came from: ``given`` (the request), ``default`` (the
             spec), ``grown`` (a larger tile where the halo ate the default one) or ``budget``
             (chosen within ``TILEWISE_MEMORY_BUDGET``); see :mod:`models.planning.planner`.
+        skipped: tiles not run (outside a slide's tissue mask, or a constant input answered from one
+            computed tile: :mod:`tiling.reuse`): after a run the count, before it the tiles expected
+            to be skipped when known, else ``None``.
     """
 
     model: str
@@ -57,6 +60,7 @@ class RunPlan:
     warning: str | None = None
     mirror_axes: tuple[int, ...] | None = None
     tile_source: str = "given"
+    skipped: int | None = None
 
     @property
     def flips(self) -> tuple[tuple[int, ...], ...]:
@@ -83,7 +87,8 @@ class RunPlan:
         E.g. ``tile=96,96,96; halo=8,8,8; overlap=0,0,0; tiles=27; work=1.49``: the tile fed to the
         network, the halo and overlap per axis, the tile count (every pass) and :attr:`work`. With
         ``tta=mirror`` it ends in ``; passes=8`` (the grid of ``tiles / passes`` tiles ran once per
-        flip), so a given tile's grid is seen to be the grid of the same request without TTA.
+        flip), so a given tile's grid is seen to be the grid of the same request without TTA; then
+        ``; skipped=N`` when tiles were (or are expected to be) skipped.
         """
 
         def axes(values: tuple[int, ...]) -> str:
@@ -93,4 +98,5 @@ class RunPlan:
             f"tile={axes(self.grid.used_tile_shape)}; halo={axes(self.halo)}; "
             f"overlap={axes(self.overlap)}; tiles={self.n_tiles}; work={self.work:.2f}"
             + (f"; passes={len(self.flips)}" if len(self.flips) > 1 else "")
+            + (f"; skipped={self.skipped}" if self.skipped else "")
         )

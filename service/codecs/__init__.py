@@ -151,6 +151,11 @@ def probe(path: str | Path, *, dicom: Mapping[str, Any] | None = None, max_bytes
     try:
         if _is_dicom(path):
             from service.codecs.dicom import probe_dicom
+            from service.slides import probe_dicom_wsi
+
+            wsi = probe_dicom_wsi(path)  # a whole-slide image: read by level and region (OpenSlide)
+            if wsi is not None:
+                return wsi
 
             return probe_dicom(path, max_bytes=max_bytes, **_dicom_options(dicom))
         sniffed = _sniffed(path)

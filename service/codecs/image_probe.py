@@ -188,6 +188,11 @@ def _check_one_series(tif: tifffile.TiffFile) -> None:
 
 
 def _probe_tiff(path: Path) -> Probe:
+    from service.slides import probe_slide, slide_probe
+
+    slide = probe_slide(path)
+    if slide is not None:  # a pyramidal slide by content: its level 0, read by region
+        return slide_probe(slide)
     with _malformed("TIFF"), tifffile.TiffFile(path) as tif:
         series = tif.series[0]
         axes, shape = series.axes, tuple(int(n) for n in series.shape)

@@ -53,6 +53,7 @@ def job_status(record: JobRecord) -> dict[str, Any]:
         "state": state.value,
         "tiles_done": done,
         "tiles_total": total,
+        "tiles_skipped": record.tiles_skipped,
         "progress": round(progress, 4),
         "eta_s": eta,
         "created": iso_utc(record.created_at),

@@ -65,7 +65,7 @@ class RunProgress:
             record = self.record
             self.first = point.first_tile if len(plan.flips) == 1 else 0
             before = record.tiles_done if point.rows_done else 0
-            record.tiles_total = plan.n_tiles
+            record.tiles_total, record.tiles_skipped = plan.n_tiles, plan.skipped
             record.tiles_done = min(plan.n_tiles, max(before, self.first))
             record.run_started_at, record.run_tiles = time.time(), 0
             if self.first:
@@ -79,6 +79,7 @@ class RunProgress:
             self.first = 0
             record = self.record
             record.tiles_total, record.tiles_done = plan.n_tiles, 0
+            record.tiles_skipped = plan.skipped
             record.run_started_at, record.run_tiles = time.time(), 0
             self.write(force=True)
 

@@ -67,6 +67,8 @@ class JobRecord(_Model):
         key_hash: the hashed ``Idempotency-Key`` that made the job, if any.
         created_at, started_at, finished_at: epoch seconds (``None`` until it happens).
         tiles_done, tiles_total: progress (``tiles_total`` is ``None`` until the plan is made).
+        tiles_skipped: tiles not run (a slide's background, constant inputs): expected from the plan,
+            then counted by the run; ``None`` when unknown.
         attempts: runs started (a job whose servers died :data:`~service.jobs.runner.MAX_ATTEMPTS`
             times fails).
         run_started_at, run_tiles, progress_at: the current run's start, tiles and last batch (the
@@ -92,6 +94,7 @@ class JobRecord(_Model):
     finished_at: float | None = None
     tiles_done: int = 0
     tiles_total: int | None = None
+    tiles_skipped: int | None = None
     attempts: int = 0
     run_started_at: float | None = None
     run_tiles: int = 0

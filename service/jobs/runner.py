@@ -329,6 +329,8 @@ class JobService:
             from service.routes.infer import result_headers
 
             record.tiles_done = record.tiles_total or result.n_tiles
+            record.tiles_skipped = result.plan.skipped
+            self.metrics.tiles_skipped.labels(record.model).inc(result.plan.skipped or 0)
             record.result = JobResult(
                 file=result.path.name,
                 media_type=result.media_type,

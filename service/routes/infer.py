@@ -222,6 +222,7 @@ def _finish(prepared: Prepared, metrics: Metrics) -> InferenceResult:
         metrics.stage_seconds.labels(stage).observe(seconds)
     model = prepared.model
     metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
+    metrics.tiles_skipped.labels(model.spec.name).inc(result.plan.skipped or 0)
     return result
 
 
@@ -257,6 +258,7 @@ def _work(
     for stage, seconds in result.stages.items():
         metrics.stage_seconds.labels(stage).observe(seconds)
     metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
+    metrics.tiles_skipped.labels(model.spec.name).inc(result.plan.skipped or 0)
     return result
 
 

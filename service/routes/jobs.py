@@ -60,6 +60,7 @@ _STATUS_EXAMPLE = {
     "state": "running",
     "tiles_done": 12,
     "tiles_total": 40,
+    "tiles_skipped": 0,
     "progress": 0.3,
     "eta_s": 8.5,
     "created": "2026-12-01T13:49:34.988Z",

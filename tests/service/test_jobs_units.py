@@ -237,8 +237,8 @@ def test_status_progress_and_eta() -> None:
     assert status["progress"] == 0.25 and status["eta_s"] == 15.0  # 30 tiles left at 2 tiles/s
     assert status["created"] == "1970-01-01T00:00:00.000Z" and status["finished"] is None
     assert sorted(status) == sorted(
-        ["id", "model", "state", "tiles_done", "tiles_total", "progress", "eta_s", "created", "started",
-         "finished", "error", "params", "stage"]
+        ["id", "model", "state", "tiles_done", "tiles_total", "tiles_skipped", "progress", "eta_s", "created",
+         "started", "finished", "error", "params", "stage"]
     )  # fmt: skip
     queued = job_status(
         record.model_copy(update={"state": JobState.QUEUED, "tiles_total": None, "tiles_done": 0})

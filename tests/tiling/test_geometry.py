@@ -19,6 +19,7 @@ from tiling import (
     PaddingMode,
     ShapeMismatchError,
     TileGrid,
+    TileReuse,
     tiled_inference,
 )
 from tiling.geometry import as_fractions, as_ints
@@ -223,8 +224,8 @@ def test_predictor_changes_channels_between_batches(image):
         calls.append(1)
         return t.repeat(1, len(calls), 1, 1)
 
-    with _raises(ShapeMismatchError, "(1, 2, 16, 13)", "(1, 1, 16, 13)"):
-        tiled_inference(image, predictor, 16, halo=2)
+    with _raises(ShapeMismatchError, "(1, 2, 16, 13)", "(1, 1, 16, 13)"):  # a zero image: no copies
+        tiled_inference(image, predictor, 16, halo=2, reuse=TileReuse(constant=False))
 
 
 def test_predictor_returns_wrong_ndim(image):
