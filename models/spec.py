@@ -71,7 +71,7 @@ from pydantic import (
 )
 
 from models.errors import SpecError
-from models.planning.params import REQUEST_ONLY, Blend, InferenceParams, OutputKind, StrEnum, _per_axis
+from models.planning.params import REQUEST_ONLY, Blend, InferenceParams, OutputKind, StrEnum, per_axis_field
 from models.transforms.steps import STEP_PARAMS, FrameSpec, PreprocessStep, check_params
 from tiling import Placement
 
@@ -206,7 +206,7 @@ class ModelSpec(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     alignment: Positive | tuple[Positive, ...] = 1
     scale: Positive = 1
-    receptive_field: Annotated[tuple[int, ...] | None, _per_axis(0)] = None
+    receptive_field: Annotated[tuple[int, ...] | None, per_axis_field(0)] = None
     tile_dependent: StrictBool | None = None
     spacing: tuple[Annotated[float, Field(gt=0, allow_inf_nan=False)], ...] | None = None
     orientation: Annotated[StrictStr, AfterValidator(_orientation)] | None = None

@@ -51,6 +51,7 @@ __all__ = [
     "finish",
     "output_format",
     "prepare",
+    "result_headers",
     "why_not_streamed",
 ]
 
@@ -314,6 +315,23 @@ def execute(prepared: Prepared, options: RunOptions | None = None) -> RunPlan:
     prepared.ran = dataclasses.replace(ran[-1], output=prepared.plan.output)
     prepared.stages["execute"] = time.perf_counter() - started
     return prepared.ran
+
+
+def result_headers(label: str, result: Any) -> dict[str, str]:
+    """The ``X-Tilewise-*`` headers of an inference result (:class:`service.pipeline.InferenceResult`),
+    the same for the synchronous answer and a job's result."""
+    warning = {"X-Tilewise-Warning": result.plan.warning} if result.plan.warning else {}
+    return {
+        **warning,
+        "X-Tilewise-Model": label,
+        "X-Tilewise-Format": result.format,
+        "X-Tilewise-Output": result.output_kind,
+        "X-Tilewise-Shape": ",".join(str(n) for n in result.output_shape),
+        "X-Tilewise-Dtype": result.output_dtype,
+        "X-Tilewise-Seconds": f"{result.seconds:.3f}",
+        "X-Tilewise-Plan": result.plan.header(),
+        **({"X-Tilewise-Seam": result.seam.header()} if result.seam is not None else {}),
+    }
 
 
 def finish(prepared: Prepared) -> Any:

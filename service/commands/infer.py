@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from service._options import FORMAT_SUFFIXES, add_param_options, argparse_bytes, param_values
+from service.options import FORMAT_SUFFIXES, add_param_options, argparse_bytes, param_values
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ from service.jobs.record import JobError, JobRecord, JobResult, JobState
 from service.jobs.store import INPUT_FILE, PARTIAL_FILE, JobStore
 from service.metrics import Metrics
 from service.pipeline import InferenceResult, Limits, prepare_file, run_file
-from service.stages import Prepared, RunOptions, execute, finish
+from service.stages import Prepared, RunOptions, execute, finish, result_headers
 from tiling import RunCancelledError
 
 __all__ = ["JobService"]
@@ -367,8 +367,6 @@ class JobService:
         folder = self.store.folder(job_id)
         record.state, record.finished_at, record.error = state, time.time(), error
         if result is not None:
-            from service.routes.infer import result_headers
-
             record.tiles_done = record.tiles_total or result.n_tiles
             record.result = JobResult(
                 file=result.path.name,
