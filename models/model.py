@@ -19,19 +19,19 @@ import numpy as np
 import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
-from models.measure.calibration import HaloCalibrator
 from models.errors import InputError, ParamError
 from models.execution.execute import execute_plan
+from models.measure.calibration import HaloCalibrator
 from models.measure.footprint import Footprint, footprint_of
 from models.measure.measured import Measurements
+from models.measure.receptive import HaloCalibration
+from models.measure.seams import SeamPolicy
 from models.planning.params import Blend, InferenceParams, OutputKind
 from models.planning.plan import RunPlan
 from models.planning.planner import default_memory_budget, given_halo_rule, size_plan
-from models.transforms.preprocess import preprocess
-from models.measure.receptive import HaloCalibration
-from models.measure.seams import SeamPolicy
 from models.planning.sizing import WORK_TARGET
 from models.spec import ModelSpec
+from models.transforms.preprocess import preprocess
 from tiling import Resume, SeamStats
 from tiling.geometry import as_ints
 
@@ -57,9 +57,10 @@ class TiledPass(Protocol):
         *,
         progress: bool | Callable[[int], object] = False,
         should_stop: Callable[[], bool] | None = None,
-    ) -> npt.NDArray[Any]:
+    ) -> tuple[npt.NDArray[Any], RunPlan]:
         """``x`` ``(C_in, *plan.spatial_shape)`` float32 -> ``(C_out, *spatial)`` float32, or
-        ``(C_red, *spatial)`` once ``reduce`` (picklable; ``None``: identity) is applied."""
+        ``(C_red, *spatial)`` once ``reduce`` (picklable; ``None``: identity) is applied; and
+        the plan that ran there (e.g. ``plan`` with :attr:`~models.planning.plan.RunPlan.chunked`)."""
 
 
 class Model:
@@ -132,8 +133,8 @@ class Model:
         return Measurements(probe, self.seams.probe, self.known_footprint, halos)
 
     def restore_measurements(self, measured: Measurements) -> None:
-        """Take measurements stored by an earlier process (:class:`~models.measure.measured.MeasurementStore`):
-        nothing is measured again that they hold."""
+        """Take measurements stored by an earlier process
+        (:class:`~models.measure.measured.MeasurementStore`): nothing is measured again that they hold."""
         self.calibrator.restore(measured.receptive_field, measured.halos)
         self.seams.restore(measured.tile_dependence)
         if measured.footprint is not None:
@@ -148,7 +149,8 @@ class Model:
         return self.calibrator.calibrate(tile, tolerance, sample)
 
     def preprocess(self, data: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        """The spec's preprocessing of a whole ``(C, *spatial)`` image (see :func:`models.transforms.preprocess`)."""
+        """The spec's preprocessing of a whole ``(C, *spatial)`` image (see
+        :func:`models.transforms.preprocess`)."""
         return preprocess(data, self.spec)
 
     def plan(

@@ -123,11 +123,13 @@ def _tiled(
 
     spec = model.spec
     if tiled is not None:
-        y = tiled(model, x, plan, reduce, progress=progress, should_stop=should_stop)
+        y, ran = tiled(model, x, plan, reduce, progress=progress, should_stop=should_stop)
+        if replanned is not None and ran is not plan:
+            replanned(ran)
         if out is None:
-            return y, plan
+            return y, ran
         out[...] = y
-        return out, plan
+        return out, ran
 
     def once(p: RunPlan, r: Resume | None) -> npt.NDArray[Any]:
         context = model.context
