@@ -46,6 +46,7 @@ import numpy.typing as npt
 from service.errors import BadParameterError, ClusterUnavailableError
 
 if TYPE_CHECKING:
+    from models.execution.options import RunOptions
     from models.model import Model
     from models.planning.plan import RunPlan
 
@@ -154,9 +155,7 @@ class DaskPass:
         x: npt.NDArray[np.float32],
         plan: RunPlan,
         reduce: Callable[[Any], Any] | None,
-        *,
-        progress: bool | Callable[[int], object] = False,
-        should_stop: Callable[[], bool] | None = None,
+        options: RunOptions,
     ) -> tuple[npt.NDArray[Any], RunPlan]:
         """One tiled pass of ``plan`` over ``x`` ``(C_in, *S_m)`` float32 on the cluster.
 
@@ -169,9 +168,10 @@ class DaskPass:
             DistributedError: a global-pooling network (its pool means are prepared in process).
             TileDependentError: a tile-dependent network over more than one chunk.
             GridError: a plan the chunks cannot run (e.g. ``scale`` other than 1).
-            RunCancelledError: ``should_stop()`` returned true.
+            RunCancelledError: ``options.should_stop()`` returned true.
             Exception: what the model raises on a worker, re-raised here.
         """
+        progress, should_stop = options.progress, options.should_stop
         import zarr
 
         from tiling.distributed import DistributedError, plan_dask, tiled_inference_dask

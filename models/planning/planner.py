@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from models.errors import DeviceOutOfMemoryError
+from models.execution.options import RunOptions
 from models.measure.footprint import Footprint
 from models.planning.cost import network_seconds, peak_bytes
 from models.planning.params import Blend, OutputKind, Tta
@@ -123,14 +124,14 @@ def retry_smaller(
     plan: RunPlan,
     spec: ModelSpec,
     device: object,
-    *,
-    resume: Any = None,
-    replanned: Callable[[RunPlan], object] | None = None,
+    options: RunOptions | None = None,
 ) -> tuple[T, RunPlan]:
-    """``run(plan, resume)``; when the device runs out of memory, again from the start with the
-    next smaller plan (:func:`shrink_plan`: half the batch, then half the tile), until it fits or
-    nothing shrinks (the error is raised). ``replanned`` is told each smaller plan. Returns the
-    result and the plan that made it."""
+    """``run(plan, options.resume)``; when the device runs out of memory, again from the start
+    with the next smaller plan (:func:`shrink_plan`: half the batch, then half the tile), until it
+    fits or nothing shrinks (the error is raised). ``options.replanned`` is told each smaller plan.
+    Returns the result and the plan that made it."""
+    resume = None if options is None else options.resume
+    replanned = None if options is None else options.replanned
     while True:
         try:
             return run(plan, resume), plan

@@ -177,6 +177,7 @@ def _run(args: argparse.Namespace) -> int:
     from service.memory import fix_mmap_threshold
     from service.pipeline import Limits, run_file
     from service.settings import Settings
+    from service.stages import RunOptions
     from tiling import TilingError
 
     overrides = {"models_dir": args.models, "device": args.device, "memory_budget": args.memory_budget}
@@ -200,9 +201,8 @@ def _run(args: argparse.Namespace) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.ExitStack() as stack:
             tiled = None if args.dask is None else stack.enter_context(_dask_pass(args, settings, target))
-            result = run_file(
-                model, args.input, stem, params, limits=limits, progress=args.progress, tiled=tiled
-            )
+            options = RunOptions(progress=args.progress, tiled=tiled)
+            result = run_file(model, args.input, stem, params, limits=limits, options=options)
         os.replace(result.path, target)
         repository.store_measurements(args.model)  # a later `tilewise plan` plans this halo
     except (ServiceError, ModelError, TilingError) as exc:

@@ -277,10 +277,10 @@ class JobService:
                     if prepared is not None:
                         execute(prepared, RunOptions(progress.tiles, should_stop))
                         return None
+                    options = RunOptions(progress=progress.tiles, should_stop=should_stop, tiled=tiled)
                     return run_file(
                         model, folder / INPUT_FILE, folder / "output", params, limits=self.limits,
-                        should_stop=should_stop, progress=progress.tiles,
-                        checkpoint=checkpoint if tiled is None else None, tiled=tiled,
+                        options=options, checkpoint=checkpoint if tiled is None else None,
                     )  # fmt: skip
 
             if held.stop.is_set():

@@ -227,7 +227,8 @@ def _work(
     shared = batches.bind(model) if batches is not None else contextlib.nullcontext()
     with shared, deadline.running():  # TILEWISE_SHARED_REQUESTS > 1: forward passes shared
         stopper = deadline.should_stop(stop.is_set)
-        result = run_file(model, source, stem, params, limits=limits, should_stop=stopper, progress=tiles.inc)
+        options = RunOptions(progress=tiles.inc, should_stop=stopper)
+        result = run_file(model, source, stem, params, limits=limits, options=options)
     for stage, seconds in result.stages.items():
         metrics.stage_seconds.labels(stage).observe(seconds)
     metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)
