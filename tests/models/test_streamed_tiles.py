@@ -3,7 +3,7 @@
 A streamed run's peak memory is its tile's (benchmarks/stream_rss: 125, 132 and 154 MiB for
 tiles of 116x116x104, 116x116x112 and 116x116x128 on 512x512x800 CT). Tiles sized to the grid
 made the 800-slice CT's tile 1.14x the 400-slice one's; :func:`models.planning.planner.smaller_tiles`
-takes one more tile per axis where that costs at most 2.5 % more work on the axis.
+takes one more tile per axis where that costs at most 2 % more work on the axis.
 """
 
 from __future__ import annotations
