@@ -12,9 +12,13 @@ Two runs of the same ``--requests`` requests (2D images of ``--tiles`` tiles eac
   (``--batch`` tiles, round robin by request, ``--wait-ms`` to fill).
 
 Reported: forward calls, wall time, device busy fraction (time inside forward passes / wall),
-and the forward-call reduction. Outputs are checked equal to the one-at-a-time run.
+where the shared device waited (before its first pass: the requests starting; between passes;
+after its last: the requests merging their last tiles), and the forward-call reduction. With
+``--rounds R`` each of the clients sends ``R`` requests one after another (a server under steady
+load); ``R = 1`` is one burst, whose start and end are a larger share of a short run.
+Outputs are checked equal to the one-at-a-time run.
 
-Usage: ``python -m benchmarks.shared_batch [--requests 8] [--tiles 4] [--plan-batch 1]``.
+Usage: ``python -m benchmarks.shared_batch [--requests 8] [--tiles 4] [--plan-batch 8 1] [--rounds 1 4]``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class SimulatedDevice:
         self.cost_s = cost_s
         self.calls = 0
         self.busy_s = 0.0
+        self.passes: list[tuple[float, float]] = []  # (start, end) of each forward pass
         self._lock = threading.Lock()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,8 +52,22 @@ class SimulatedDevice:
             time.sleep(self.cost_s)
             y = x * 2.0
             self.calls += 1
-            self.busy_s += time.perf_counter() - started
+            ended = time.perf_counter()
+            self.busy_s += ended - started
+            self.passes.append((started, ended))
         return y
+
+
+def _idle(device: SimulatedDevice, started: float, ended: float) -> dict[str, float]:
+    """Where the device waited: before its first pass, between passes (sum and largest), after its
+    last, in milliseconds."""
+    gaps = [b[0] - a[1] for a, b in zip(device.passes, device.passes[1:], strict=False)]
+    return {
+        "before_first_ms": round((device.passes[0][0] - started) * 1e3, 1),
+        "between_ms": round(sum(gaps) * 1e3, 1),
+        "largest_gap_ms": round(max(gaps, default=0.0) * 1e3, 1),
+        "after_last_ms": round((ended - device.passes[-1][1]) * 1e3, 1),
+    }
 
 
 def _images(n: int, tiles: int, size: int = 256) -> tuple[list[np.ndarray], TileGrid]:
@@ -61,13 +80,23 @@ def _images(n: int, tiles: int, size: int = 256) -> tuple[list[np.ndarray], Tile
 
 
 def run(
-    requests: int, tiles: int, plan_batch: int, batch: int, cost_ms: float, wait_ms: float
+    requests: int,
+    tiles: int,
+    plan_batch: int,
+    batch: int,
+    cost_ms: float,
+    wait_ms: float,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """The figures of both runs (see the module docstring)."""
+    """The figures of both runs (see the module docstring). ``rounds``: requests each of the
+    ``requests`` clients sends one after another (so ``requests`` run at once throughout)."""
     images, grid = _images(requests, tiles)
     solo_device = SimulatedDevice(cost_ms / 1000)
     started = time.perf_counter()
     solo = [tiled_inference(x, solo_device, grid=grid, batch_size=plan_batch) for x in images]
+    for _ in range(rounds - 1):
+        for x in images:
+            tiled_inference(x, solo_device, grid=grid, batch_size=plan_batch)
     solo_wall = time.perf_counter() - started
 
     device = SimulatedDevice(cost_ms / 1000)
@@ -78,7 +107,8 @@ def run(
     shared: list[Any] = [None] * requests
 
     def one(k: int) -> None:
-        shared[k] = tiled_inference(images[k], batcher.client(), grid=grid, batch_size=plan_batch)
+        for _ in range(rounds):
+            shared[k] = tiled_inference(images[k], batcher.client(), grid=grid, batch_size=plan_batch)
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(requests)]
     started = time.perf_counter()
@@ -86,11 +116,13 @@ def run(
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - started
+    ended = time.perf_counter()
+    wall = ended - started
     batcher.close()
     worst = max(float(np.abs(a - b).max()) for a, b in zip(shared, solo, strict=True))
     return {
         "requests": requests,
+        "rounds": rounds,
         "tiles_per_request": grid.n_tiles,
         "plan_batch": plan_batch,
         "shared_batch": batch,
@@ -104,6 +136,7 @@ def run(
             "forward_calls": device.calls,
             "wall_s": round(wall, 3),
             "busy": round(device.busy_s / wall, 3),
+            "idle": _idle(device, started, ended),
             "mean_fill": round(float(np.mean([t for t, _ in fills])), 2),
             "max_requests_per_pass": max(r for _, r in fills),
         },  # fmt: skip
@@ -121,10 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--cost-ms", type=float, default=50.0)
     parser.add_argument("--wait-ms", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args(argv)
-    for plan_batch in args.plan_batch:
-        result = run(args.requests, args.tiles, plan_batch, args.batch, args.cost_ms, args.wait_ms)
-        print(json.dumps(result), flush=True)
+    for rounds in args.rounds:
+        for plan_batch in args.plan_batch:
+            result = run(
+                args.requests, args.tiles, plan_batch, args.batch, args.cost_ms, args.wait_ms, rounds
+            )
+            print(json.dumps(result), flush=True)
     return 0
 
 

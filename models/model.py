@@ -19,20 +19,21 @@ import numpy as np
 import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
-from models.measure.calibration import HaloCalibrator
 from models.errors import InputError, ParamError
 from models.execution.execute import execute_plan
+from models.execution.options import RunOptions
+from models.measure.calibration import HaloCalibrator
 from models.measure.footprint import Footprint, footprint_of
 from models.measure.measured import Measurements
+from models.measure.receptive import HaloCalibration
+from models.measure.seams import SeamPolicy
 from models.planning.params import Blend, InferenceParams, OutputKind
 from models.planning.plan import RunPlan
 from models.planning.planner import default_memory_budget, given_halo_rule, size_plan
-from models.transforms.preprocess import preprocess
-from models.measure.receptive import HaloCalibration
-from models.measure.seams import SeamPolicy
 from models.planning.sizing import WORK_TARGET
 from models.spec import ModelSpec
-from tiling import Resume, SeamStats, TileReuse
+from models.transforms.preprocess import preprocess
+from tiling import SeamStats
 from tiling.geometry import as_ints
 
 __all__ = ["Model", "TiledPass"]
@@ -54,12 +55,12 @@ class TiledPass(Protocol):
         x: npt.NDArray[np.float32],
         plan: RunPlan,
         reduce: Callable[[Any], Any] | None,
-        *,
-        progress: bool | Callable[[int], object] = False,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> npt.NDArray[Any]:
+        options: RunOptions,
+    ) -> tuple[npt.NDArray[Any], RunPlan]:
         """``x`` ``(C_in, *plan.spatial_shape)`` float32 -> ``(C_out, *spatial)`` float32, or
-        ``(C_red, *spatial)`` once ``reduce`` (picklable; ``None``: identity) is applied."""
+        ``(C_red, *spatial)`` once ``reduce`` (picklable; ``None``: identity) is applied; and
+        the plan that ran there (e.g. ``plan`` with :attr:`~models.planning.plan.RunPlan.chunked`).
+        ``options``: the run's ``progress`` and ``should_stop`` (:class:`RunOptions`)."""
 
 
 class Model:
@@ -132,8 +133,8 @@ class Model:
         return Measurements(probe, self.seams.probe, self.known_footprint, halos)
 
     def restore_measurements(self, measured: Measurements) -> None:
-        """Take measurements stored by an earlier process (:class:`~models.measure.measured.MeasurementStore`):
-        nothing is measured again that they hold."""
+        """Take measurements stored by an earlier process
+        (:class:`~models.measure.measured.MeasurementStore`): nothing is measured again that they hold."""
         self.calibrator.restore(measured.receptive_field, measured.halos)
         self.seams.restore(measured.tile_dependence)
         if measured.footprint is not None:
@@ -148,7 +149,8 @@ class Model:
         return self.calibrator.calibrate(tile, tolerance, sample)
 
     def preprocess(self, data: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-        """The spec's preprocessing of a whole ``(C, *spatial)`` image (see :func:`models.transforms.preprocess`)."""
+        """The spec's preprocessing of a whole ``(C, *spatial)`` image (see
+        :func:`models.transforms.preprocess`)."""
         return preprocess(data, self.spec)
 
     def plan(
@@ -279,45 +281,40 @@ class Model:
         plan: RunPlan,
         *,
         out: npt.NDArray[Any] | None = None,
-        progress: bool | Callable[[int], object] = False,
-        should_stop: Callable[[], bool] | None = None,
-        resume: Resume | None = None,
-        seam: SeamStats | None = None,
-        tiled: TiledPass | None = None,
-        replanned: Callable[[RunPlan], object] | None = None,
-        reuse: TileReuse | None = None,
+        options: RunOptions | None = None,
     ) -> npt.NDArray[Any]:
         """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)``.
 
         When the device runs out of memory (:class:`~models.errors.DeviceOutOfMemoryError`), the
         pass runs again from its start with half the batch, then half the tile,
-        until it fits or neither can shrink; ``replanned`` is told each smaller plan, and the
-        passes after it use that plan. A local network with a halo at its receptive field gives
-        the same output with any tile and batch.
+        until it fits or neither can shrink; ``options.replanned`` is told each smaller plan, and
+        the passes after it use that plan. A local network with a halo at its receptive field
+        gives the same output with any tile and batch.
 
         With ``tta=mirror`` the plan runs once per flip of the spec's ``mirror_axes`` and the
         probabilities (or, with ``output.tta_average: logits``, the logits, as nnU-Net does) are
         averaged before labels are taken: for a local network, tiled TTA equals whole-image TTA.
-        ``seam`` (see :meth:`seam_stats`) gathers the disagreement of overlapping tiles over
-        every pass.
+        ``options.seam`` (see :meth:`seam_stats`) gathers the disagreement of overlapping tiles
+        over every pass.
 
         Returns:
             ``(C_out, *spatial * scale)`` probabilities after the activation (float32, or float16
             when the spec's output dtype says so), or ``(*spatial * scale)`` uint8 labels (argmax
             over channels; ``p > 0.5`` for one channel); ``out`` when given.
 
-        ``progress`` (a bar, or a callback of each batch's tile count) and ``should_stop`` (asked
-        before every batch) are :func:`tiling.tiled_inference`'s; so is ``resume`` (with ``out``, a
-        run that continues one stopped at a finished tile row), which a ``tta=mirror`` plan ignores:
-        its passes are averaged in memory, so it always runs whole. ``tiled`` runs each tiled pass
-        in place of this process's :func:`tiling.tiled_inference` (a Dask cluster); it takes
-        neither ``resume`` nor ``seam``. ``reuse`` (:class:`tiling.TileReuse`) says which tiles are
-        not run (constant inputs, a skip rule) and counts them, over every pass.
+        ``options`` (:class:`~models.execution.options.RunOptions`): ``progress`` (a bar, or a
+        callback of each batch's tile count) and ``should_stop`` (asked before every batch) are
+        :func:`tiling.tiled_inference`'s; so is ``resume`` (with ``out``, a run that continues one
+        stopped at a finished tile row), which a ``tta=mirror`` plan ignores: its passes are
+        averaged in memory, so it always runs whole. ``tiled`` runs each tiled pass in place of
+        this process's :func:`tiling.tiled_inference` (a Dask cluster); it takes neither
+        ``resume`` nor ``seam``. ``reuse`` (:class:`tiling.TileReuse`) says which tiles are not run
+        (constant inputs, a skip rule) and counts them, over every pass.
 
         Raises:
             InputError: ``x`` is not the image the plan was made for.
             InferenceError: the backend failed (``DeviceOutOfMemoryError`` when out of memory).
-            RunCancelledError: ``should_stop()`` returned true.
+            RunCancelledError: ``options.should_stop()`` returned true.
         """
         spec = self.spec
         if tuple(x.shape[1:]) != plan.spatial_shape or x.shape[0] != spec.in_channels:
@@ -325,12 +322,11 @@ class Model:
                 f"model {spec.name!r}: the plan is for ({spec.in_channels}, *{plan.spatial_shape}), "
                 f"got {tuple(x.shape)}"
             )
-        if tiled is not None and (resume is not None or seam is not None):
+        options = options or RunOptions()
+        if options.tiled is not None and (options.resume is not None or options.seam is not None):
             raise ValueError("a tiled pass elsewhere (tiled=) takes neither resume nor seam")
         start = time.perf_counter()
-        run = {"progress": progress, "should_stop": should_stop, "resume": resume, "seam": seam}
-        run["reuse"] = reuse
-        result, plan = execute_plan(self, x, plan, out=out, replanned=replanned, tiled=tiled, **run)
+        result, plan = execute_plan(self, x, plan, out=out, options=options)
         logger.info("model %s: %s in %.2f s", spec.name, plan.header(), time.perf_counter() - start)
         if out is not None:
             return out
@@ -350,7 +346,7 @@ class Model:
         params: InferenceParams | None = None,
         *,
         out: npt.NDArray[Any] | None = None,
-        progress: bool = False,
+        options: RunOptions | None = None,
     ) -> npt.NDArray[Any]:
         """Tiled inference over a whole image or volume: preprocess, plan, execute.
 
@@ -360,7 +356,7 @@ class Model:
             params: tile, halo, overlap, blend, batch size and output kind (``None``: defaults).
             out: optional array to fill: ``(C_out, *spatial)`` float32 for probabilities,
                 ``(*spatial)`` uint8 for labels.
-            progress: show a progress bar over tiles.
+            options: how the run is watched (:class:`~models.execution.options.RunOptions`).
 
         Raises:
             InputError: wrong number of spatial axes or channels.
@@ -369,4 +365,4 @@ class Model:
         """
         x = self.preprocess(data)
         plan = self.plan(x.shape[1:], params, sample=x)
-        return self.execute(x, plan, out=out, progress=progress)
+        return self.execute(x, plan, out=out, options=options)

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from service._distributions import check_onnxruntime_distributions
-from service._options import HelpFormatter, plain_text
+from service.options import HelpFormatter, plain_text
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ Needs the ``distributed`` extra (``pip install 'tilewise[distributed]'``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -45,6 +46,7 @@ import numpy.typing as npt
 from service.errors import BadParameterError, ClusterUnavailableError
 
 if TYPE_CHECKING:
+    from models.execution.options import RunOptions
     from models.model import Model
     from models.planning.params import InferenceParams
     from models.planning.plan import RunPlan
@@ -154,30 +156,28 @@ class DaskPass:
         x: npt.NDArray[np.float32],
         plan: RunPlan,
         reduce: Callable[[Any], Any] | None,
-        *,
-        progress: bool | Callable[[int], object] = False,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> npt.NDArray[Any]:
+        options: RunOptions,
+    ) -> tuple[npt.NDArray[Any], RunPlan]:
         """One tiled pass of ``plan`` over ``x`` ``(C_in, *S_m)`` float32 on the cluster.
 
         Returns:
-            ``(C_out, *S_m)`` float32, or ``(C_red, *S_m)`` after ``reduce`` (uint8 labels).
+            ``(C_out, *S_m)`` float32, or ``(C_red, *S_m)`` after ``reduce`` (uint8 labels); and
+            the plan that ran: ``plan`` with its halo the chunks' depth and its
+            :attr:`~models.planning.plan.RunPlan.chunked` (tiles summed over the chunks).
 
         Raises:
             DistributedError: a global-pooling network (its pool means are prepared in process).
             TileDependentError: a tile-dependent network over more than one chunk.
             GridError: a plan the chunks cannot run (e.g. ``scale`` other than 1).
-            RunCancelledError: ``should_stop()`` returned true.
+            RunCancelledError: ``options.should_stop()`` returned true.
             Exception: what the model raises on a worker, re-raised here.
         """
+        progress, should_stop = options.progress, options.should_stop
         import zarr
 
-        from tiling.distributed import DistributedError, plan_chunks, tiled_inference_dask
+        from tiling.distributed import DistributedError, plan_dask, tiled_inference_dask
 
         spec = model.spec
-        if self.passes == 0 and self.on_plan is not None:
-            self.on_plan(plan)
-        self.passes += 1
         if model.context is not None:
             raise DistributedError(
                 f"model {spec.name!r} pools over the whole image (its pool means are prepared in "
@@ -185,9 +185,17 @@ class DaskPass:
             )
         align = spec.alignment_per_axis
         asked = self.chunk if self.chunk is not None else default_chunk(plan, align)
-        depth = tuple(-(-h // a) * a for h, a in zip(plan.halo, align, strict=True))
-        chunks = plan_chunks(x.shape[1:], asked, depth=depth, alignment=align)
-        self.chunks_run = math.prod(len(c) for c in chunks)
+        options = {"halo": plan.halo, "tile_shape": plan.tile, "alignment": align, "overlap": plan.overlap,
+                   "blend": plan.blend.value}  # fmt: skip
+        chunks = plan_dask(x.shape[1:], chunk_shape=asked, **options).chunks
+        # what tiled_inference_dask plans from the chunk shape it is given below
+        chunked = plan_dask(x.shape[1:], chunk_shape=tuple(c[0] for c in chunks), **options)
+        chunks = chunked.chunks
+        ran = dataclasses.replace(plan, halo=chunked.depth, chunked=chunked)  # the plan that runs
+        if self.passes == 0 and self.on_plan is not None:
+            self.on_plan(ran)
+        self.passes += 1
+        self.chunks_run = chunked.n_chunks
         factory = WorkerModel(
             spec.name, None if self.models_dir is None else str(self.models_dir), self.device, self.strict,
             self.torch_threads,
@@ -218,8 +226,8 @@ class DaskPass:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if callable(progress):
-            progress(plan.grid.n_tiles)
-        return result
+            progress(chunked.n_tiles)
+        return result, ran
 
     def _stage(self, text: str) -> None:
         logger.info("dask: %s", text)

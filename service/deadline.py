@@ -13,7 +13,8 @@ Example::
 
     deadline = RunDeadline(limits.budget.max_seconds if limits.budget else None)
     with deadline.running():
-        run_file(model, source, stem, params, should_stop=deadline.should_stop(stop.is_set))
+        stopper = deadline.should_stop(stop.is_set)
+        run_file(model, source, stem, params, options=RunOptions(should_stop=stopper))
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class RunDeadline:
         return self.elapsed() > self.factor * self.limit_s
 
     def should_stop(self, other: Callable[[], bool] | None = None) -> Callable[[], bool]:
-        """A ``should_stop`` for :func:`service.pipeline.run_file`: ``other()`` or :meth:`expired`."""
+        """A ``should_stop`` for a run's :class:`~models.execution.options.RunOptions`: ``other()``
+        or :meth:`expired`."""
 
         def stop() -> bool:
             return (other is not None and other()) or self.expired()

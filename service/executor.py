@@ -51,6 +51,19 @@ class Slot:
         """Give the place back unless a job took it (idempotent)."""
         self._executor._release(self)
 
+    def hand_over(self) -> Slot:
+        """The same place under a new holder (a job's own thread, which submits later); this one
+        is then used (its :meth:`release` is a no-op).
+
+        Raises:
+            RuntimeError: the slot was already used or released.
+        """
+        with self._executor._lock:
+            if not self.held:
+                raise RuntimeError("the slot was already used or released")
+            self.held = False
+            return Slot(self._executor, self.client)
+
 
 class DeviceExecutor:
     """Runs jobs one at a time on a dedicated thread, with at most ``queue_size`` waiting.
@@ -270,6 +283,11 @@ class DeviceExecutor:
                         self._after_job()
                     except Exception:
                         logger.exception("after-job hook failed")
+
+    def waiting(self) -> int:
+        """Jobs queued, not yet started."""
+        with self._lock:
+            return len(self._jobs)
 
     def position(self, future: concurrent.futures.Future[Any]) -> int | None:
         """The place of ``future``'s job in the queue (1 = next), or ``None`` once it runs or ended."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,7 +49,6 @@ from service.stages import RunOptions
 if TYPE_CHECKING:
     from models import InferenceParams, Model, RunPlan
     from models.geometry.mapping import MappedRun
-    from models.model import TiledPass
     from service.budget import Budget
     from service.stages import Prepared
     from tiling import Resume, SeamStats
@@ -185,21 +183,20 @@ def run_volume(
     params: InferenceParams,
     *,
     budget: Budget | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    progress: bool | Callable[[int], object] = False,
+    options: RunOptions | None = None,
     checkpoint: Checkpoint | None = None,
-    tiled: TiledPass | None = None,
     limits: Limits | None = None,
 ) -> MappedRun:
     """Run ``model`` on a decoded volume; the result is on the volume's own grid.
 
     The plan is sized within ``limits.memory_budget`` and checked against ``budget`` (default
-    ``limits.budget``) before the network sees a tile; ``should_stop`` is
-    asked before every batch (the run ends with :class:`tiling.RunCancelledError`); ``progress``
-    shows a bar of tiles on stderr, or is called with each batch's tile count. With a
-    ``checkpoint`` the network's output goes to its array, and a run of the same plan that stopped
-    continues from its last finished tile row. ``tiled`` runs the network's tiled passes elsewhere
-    (a Dask cluster, :class:`service.cluster.DaskPass`); it takes no ``checkpoint``.
+    ``limits.budget``) before the network sees a tile. ``options``
+    (:class:`~models.execution.options.RunOptions`): ``should_stop`` is asked before every batch
+    (the run ends with :class:`tiling.RunCancelledError`); ``progress`` shows a bar of tiles on
+    stderr, or is called with each batch's tile count; ``tiled`` runs the network's tiled passes
+    elsewhere (a Dask cluster, :class:`service.cluster.DaskPass`) and takes no ``checkpoint``. With
+    a ``checkpoint`` the network's output goes to its array, and a run of the same plan that
+    stopped continues from its last finished tile row.
 
     Returns:
         The :class:`~models.geometry.mapping.MappedRun`: its ``result`` is uint8 ``(*spatial)`` labels or
@@ -230,9 +227,7 @@ def run_volume(
         params,
         check=check,
         start=start if checkpoint is not None else None,
-        progress=progress,
-        should_stop=should_stop,
-        tiled=tiled,
+        options=options,
         memory_budget=None if limits is None else limits.memory_budget,
         input_bytes=volume.data.nbytes,
     )
@@ -264,10 +259,8 @@ def run_file(
     params: InferenceParams,
     *,
     limits: Limits | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    progress: bool | Callable[[int], object] = False,
+    options: RunOptions | None = None,
     checkpoint: Checkpoint | None = None,
-    tiled: TiledPass | None = None,
 ) -> InferenceResult:
     """Check ``source``'s header, decode it, run ``model``, write the output next to ``target_stem``.
 
@@ -278,21 +271,23 @@ def run_file(
         params: validated inference parameters.
         limits: what the header may declare (checked before decoding) and the plan may cost
             (checked before running); ``None``: no limits.
-        should_stop: asked before every batch; true stops the run (``tiling.RunCancelledError``).
-        progress: show a progress bar of tiles on stderr, or a callable called with each
-            batch's tile count (the server's ``tilewise_tiles_total``).
+        options: how the run is watched (:class:`~models.execution.options.RunOptions`):
+            ``should_stop`` (asked before every batch; true stops the run,
+            ``tiling.RunCancelledError``), ``progress`` (a bar of tiles on stderr, or a callable
+            called with each batch's tile count: the server's ``tilewise_tiles_total``), ``tiled``
+            (the network's tiled passes elsewhere, a Dask cluster: :mod:`service.cluster`;
+            decoding, geometry, preprocessing, TTA, output kind and encoding stay here, so the file
+            is the same; takes no ``checkpoint``).
         checkpoint: keeps the network's output on disk so that a stopped run resumes (jobs).
-        tiled: runs the network's tiled passes elsewhere (a Dask cluster: :mod:`service.cluster`)
-            instead of in this process; decoding, geometry, preprocessing, TTA, output kind and
-            encoding stay here, so the file is the same. Takes no ``checkpoint``.
     """
     started = time.perf_counter()
     limits = limits or Limits()
+    options = options or RunOptions()
     spec = model.spec
-    if tiled is None:  # read by region and written as it finishes, when the input allows
+    if options.tiled is None:  # read by region and written as it finishes, when the input allows
         prepared = prepare_file(model, source, target_stem, params, limits=limits, checkpoint=checkpoint)
         if prepared is not None:
-            return run_prepared(prepared, RunOptions(progress, should_stop))
+            return run_prepared(prepared, options)
     else:
         from service.stages import output_format
         from service.writers import check_output_dtype
@@ -308,16 +303,7 @@ def run_file(
     )
     output_kind = str(params.output or spec.defaults.output)
     fmt = plan_format(volume, spec, params, output_kind)  # checked before the (long) run
-    run = run_volume(
-        model,
-        volume,
-        params,
-        should_stop=should_stop,
-        progress=progress,
-        checkpoint=checkpoint,
-        tiled=tiled,
-        limits=limits,
-    )
+    run = run_volume(model, volume, params, options=options, checkpoint=checkpoint, limits=limits)
     array, plan = run.result, run.plan
     if run.plan.output != "labels":
         from service.writers import output_dtype, to_output_dtype

@@ -137,7 +137,7 @@ class TiffRegions(RegionSource):
         import tifffile
         import zarr
 
-        from service.codecs.image_probe import _tiff_layout
+        from service.codecs.image_probe import tiff_layout
 
         self.path = path
         store = tifffile.imread(path, aszarr=True, series=0, level=0)
@@ -148,7 +148,7 @@ class TiffRegions(RegionSource):
             axes, shape = str(series.axes), tuple(int(n) for n in series.shape)
         if tuple(self.array.shape) != shape:
             raise DecodeError(f"TIFF series of shape {shape}, zarr store of {tuple(self.array.shape)}")
-        spatial, channels, keep, channel = _tiff_layout(axes, shape)
+        spatial, channels, keep, channel = tiff_layout(axes, shape)
         self.keep, self.channel = keep, channel
         self.series_shape = shape
         self.dtype = np.dtype(self.array.dtype).newbyteorder("=")

@@ -104,8 +104,8 @@ from PIL import Image
 from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service._options import blank_to_none, bytes_with_unit, comma_list
 from service.memory import memory_limit_bytes
+from service.options import blank_to_none, bytes_with_unit, comma_list
 
 if TYPE_CHECKING:
     from models import ModelRepository

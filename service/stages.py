@@ -26,13 +26,13 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from models.execution.options import RunOptions
 from service.errors import InsufficientStorageError
 
 if TYPE_CHECKING:
@@ -51,25 +51,11 @@ __all__ = [
     "finish",
     "output_format",
     "prepare",
+    "result_headers",
     "why_not_streamed",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RunOptions:
-    """How one run is watched, in one object instead of parameters threaded through signatures.
-
-    Attributes:
-        progress: show a bar of tiles on stderr, or a callable called with each batch's tile count.
-        should_stop: asked before every batch; true stops the run (``tiling.RunCancelledError``).
-        on_plan: told the plan before its first tile runs (a job's ``tiles_total``).
-    """
-
-    progress: bool | Callable[[int], object] = False
-    should_stop: Callable[[], bool] | None = None
-    on_plan: Callable[[RunPlan], object] | None = None
 
 
 def output_format(kind: str, spec: Any, params: InferenceParams) -> str:
@@ -338,20 +324,43 @@ def execute(prepared: Prepared, options: RunOptions | None = None) -> RunPlan:
     """
     options = options or RunOptions()
     started = time.perf_counter()
-    if options.on_plan is not None:
-        options.on_plan(prepared.plan)
     ran = [prepared.plan]
+    told = options.replanned
+
+    def replanned(smaller: RunPlan) -> None:
+        ran.append(smaller)
+        if told is not None:
+            told(smaller)
+
     out = prepared.target.array if prepared.kept is None else prepared.kept
     from tiling import TileReuse
 
-    reuse = TileReuse()  # constant tiles (blank glass outside a slide's tissue mask too) run once
-    prepared.model.execute(
-        prepared.source, prepared.plan, out=out, progress=options.progress, resume=prepared.resume,
-        should_stop=options.should_stop, seam=prepared.seam, replanned=ran.append, reuse=reuse,
-    )  # fmt: skip
+    # constant tiles (blank glass outside a slide's tissue mask too) run once, counted
+    reuse = options.reuse if options.reuse is not None else TileReuse()
+    run = dataclasses.replace(
+        options, resume=prepared.resume, seam=prepared.seam, replanned=replanned, reuse=reuse
+    )
+    prepared.model.execute(prepared.source, prepared.plan, out=out, options=run)
     prepared.ran = dataclasses.replace(ran[-1], output=prepared.plan.output, skipped=reuse.n_reused)
     prepared.stages["execute"] = time.perf_counter() - started
     return prepared.ran
+
+
+def result_headers(label: str, result: Any) -> dict[str, str]:
+    """The ``X-Tilewise-*`` headers of an inference result (:class:`service.pipeline.InferenceResult`),
+    the same for the synchronous answer and a job's result."""
+    warning = {"X-Tilewise-Warning": result.plan.warning} if result.plan.warning else {}
+    return {
+        **warning,
+        "X-Tilewise-Model": label,
+        "X-Tilewise-Format": result.format,
+        "X-Tilewise-Output": result.output_kind,
+        "X-Tilewise-Shape": ",".join(str(n) for n in result.output_shape),
+        "X-Tilewise-Dtype": result.output_dtype,
+        "X-Tilewise-Seconds": f"{result.seconds:.3f}",
+        "X-Tilewise-Plan": result.plan.header(),
+        **({"X-Tilewise-Seam": result.seam.header()} if result.seam is not None else {}),
+    }
 
 
 def finish(prepared: Prepared) -> Any:

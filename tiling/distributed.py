@@ -60,8 +60,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -99,15 +101,88 @@ from tiling.grid import TileGrid
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DaskPlan",
     "DistributedError",
     "PredictorPlugin",
     "TileDependentError",
     "plan_chunks",
+    "plan_dask",
     "release_predictor",
     "tiled_inference_dask",
 ]
 
 _EXTRA_HINT = "tiling.distributed needs the `distributed` extra: pip install 'tilewise[distributed]'"
+
+
+@dataclass(frozen=True, slots=True)
+class DaskPlan:
+    """The plan :func:`tiled_inference_dask` runs: chunks, their depth, and the tiles of every block.
+
+    Attributes:
+        chunks: chunk lengths per axis (voxels), as :func:`plan_chunks` gives them.
+        depth: voxels each block takes from each neighbour, per axis (0 on a one-chunk axis).
+        blocks: block lengths per axis (chunk plus depth on each inner side).
+        n_tiles: tiles summed over every block's own grid (what the network is fed).
+        work: voxels fed to the network per input voxel (every block's tiles).
+    """
+
+    chunks: tuple[tuple[int, ...], ...]
+    depth: tuple[int, ...]
+    blocks: tuple[tuple[int, ...], ...]
+    n_tiles: int
+    work: float
+
+    @property
+    def n_chunks(self) -> int:
+        """Chunks (one task each)."""
+        return math.prod(len(c) for c in self.chunks)
+
+
+def plan_dask(
+    spatial_shape: Sequence[int],
+    *,
+    halo: int | Sequence[int],
+    tile_shape: int | Sequence[int] | None = None,
+    alignment: int | Sequence[int] = 1,
+    chunk_shape: int | Sequence[int] = 128,
+    overlap: int | Sequence[int] = 0,
+    border: str = "clip",
+    blend: str = "constant",
+) -> DaskPlan:
+    """The chunks, depth and tiles :func:`tiled_inference_dask` runs for these arguments (pure
+    arithmetic: no Dask needed).
+
+    Raises:
+        GridError: invalid halo, tile, chunk, alignment or blend parameters for this input.
+
+    >>> p = plan_dask((100, 60), halo=4, tile_shape=32, chunk_shape=48)
+    >>> p.chunks, p.depth, p.n_tiles
+    (((48, 48, 4), (48, 12)), (4, 4), 15)
+    """
+    spatial = tuple(int(s) for s in spatial_shape)
+    ndim = len(spatial)
+    halos = as_ints(halo, ndim, "halo", minimum=0)
+    aligns = as_ints(alignment, ndim, "alignment", minimum=1)
+    tiles = None if tile_shape is None else as_ints(tile_shape, ndim, "tile_shape", minimum=1)
+    overlaps = as_ints(overlap, ndim, "overlap", minimum=0)
+    depth = tuple(-(-h // a) * a for h, a in zip(halos, aligns, strict=True))
+    chunks = plan_chunks(spatial, chunk_shape, depth=depth, alignment=aligns)
+    depth = tuple(0 if len(c) == 1 else d for c, d in zip(chunks, depth, strict=True))
+    blocks = tuple(_block_lengths(c, d) for c, d in zip(chunks, depth, strict=True))
+    _validate_blocks(blocks, tiles, halos, overlaps, aligns, border, blend)
+    # per axis: (tiles, voxels fed) of each distinct block length, times how many blocks have it
+    per_axis = []
+    for axis, lengths in enumerate(blocks):
+        counts = []
+        for length, times in Counter(lengths).items():
+            tile = tiles[axis] if tiles is not None else -(-length // aligns[axis]) * aligns[axis]
+            grid = TileGrid.plan((length,), tile, halos[axis], overlap=overlaps[axis],
+                                 alignment=aligns[axis], border=border, blend=blend)  # fmt: skip
+            counts.append((grid.n_tiles * times, grid.n_tiles * grid.used_tile_shape[0] * times))
+        per_axis.append((sum(n for n, _ in counts), sum(v for _, v in counts)))
+    n_tiles = math.prod(n for n, _ in per_axis)
+    work = math.prod(v for _, v in per_axis) / math.prod(spatial)
+    return DaskPlan(chunks, depth, blocks, n_tiles, work)
 
 
 def tiled_inference_dask(

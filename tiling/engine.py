@@ -269,6 +269,10 @@ def _run_one(
     reuse = TileReuse(constant=False) if reuse is None else reuse
     with TileReader(source, grid, pad_mode, batch_size, pin=pin, prefetch=prefetch, first=first,
                     reuse=reuse) as reader:  # fmt: skip
+        # a predictor that queues work (``submit(x) -> handle``, a shared batcher's client) gets the
+        # next batch before the current one is merged, when the reader has a buffer for it
+        submit = getattr(predictor, "submit", None) if reader.n_slots > 1 else None
+        lag = max(transfers.lag, 1 if callable(submit) else 0)
         for b, batch in enumerate(reader):
             if should_stop is not None and should_stop():
                 raise RunCancelledError(
@@ -276,13 +280,17 @@ def _run_one(
                 )
             keys = reuse.keys(batch.data, batch.filled)
             x = transfers.to_device(batch, reader)
-            with torch.inference_mode():
-                check = functools.partial(_check_output, grid=grid, c_out=c_out)
-                pred = reuse.predict(predictor, x, keys, check)
-            c_out = int(pred.shape[1])
-            logger.debug("batch %d: %d tiles -> %s", b, len(batch.tiles), tuple(pred.shape))
-            in_flight.append((batch, transfers.from_device(pred)))
-            while len(in_flight) > transfers.lag:  # on CUDA the next batch is launched first
+            if callable(submit) and all(key is None for key in keys):  # no tile to answer from a copy
+                reuse.n_tiles += len(keys)
+                in_flight.append((batch, _Submitted(submit(x), len(batch.tiles), grid, transfers)))
+            else:
+                with torch.inference_mode():
+                    check = functools.partial(_check_output, grid=grid, c_out=c_out)
+                    pred = reuse.predict(predictor, x, keys, check)
+                c_out = int(pred.shape[1])
+                logger.debug("batch %d: %d tiles -> %s", b, len(batch.tiles), tuple(pred.shape))
+                in_flight.append((batch, transfers.from_device(pred)))
+            while len(in_flight) > lag:  # on CUDA, or with a queued predictor, the next batch goes first
                 _merge(merger, reader, *in_flight.popleft(), rows, meter)
             bar.update(len(batch.tiles))
         while in_flight:
@@ -290,6 +298,19 @@ def _run_one(
     merger.finish()
     if rows is not None:
         rows.finished()
+
+
+class _Submitted(Staged):
+    """A batch handed to a queued predictor (``submit``); :meth:`wait` checks and stages its output."""
+
+    def __init__(self, handle: Any, n: int, grid: TileGrid, transfers: Transfers) -> None:
+        super().__init__(torch.empty(0))
+        self.handle, self.n, self.grid, self.transfers = handle, n, grid, transfers
+
+    def wait(self) -> torch.Tensor:
+        """The handle's result, checked and moved to the merge device."""
+        pred = _check_output(self.handle.result(), self.n, self.grid, None)
+        return self.transfers.from_device(pred).wait()
 
 
 def _merge(

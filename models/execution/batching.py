@@ -3,10 +3,13 @@
 A :class:`SharedBatcher` owns one predictor (one model on one device). Each running request gets
 a :meth:`~SharedBatcher.client`: a predictor-like callable that the tiling engine calls with its
 own batch ``(B, C, *tile)``. The client hands its tiles to the batcher and waits; the batcher's
-thread (the device thread) forms forward batches of up to ``batch_size`` tiles of one shape,
-taking them round robin by request (one tile of each waiting request in turn, so no request
-starves another), waits at most ``wait_s`` for a batch to fill (never when it is full already),
-runs the predictor once, and hands each request its own outputs back.
+assembler thread forms forward batches of up to ``batch_size`` tiles of one shape, taking them
+round robin by request (one tile of each waiting request in turn, so no request starves
+another), waits at most ``wait_s`` for a batch to fill (never when it is full already) and
+stacks it while the device thread runs the previous one; the device thread only runs the
+predictor; a completer thread hands each request its own outputs back. The engine keeps two
+batches of a request in flight (``client().submit``), so the next forward batch is formed
+while the current one runs: the device waits for Python work only when no request has tiles.
 
 For a predictor whose samples are independent (any network in eval mode without batch-level
 statistics) the outputs are those of running each request alone: tiles never mix, only their
@@ -20,6 +23,7 @@ import contextlib
 import contextvars
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict, deque
@@ -57,7 +61,10 @@ def current_predictor(default: Callable[[torch.Tensor], Any]) -> Callable[[torch
 
 @dataclass(eq=False)
 class _Call:
-    """One engine call of one request: its tiles and, when done, their outputs."""
+    """One engine call of one request: its tiles and, when done, their outputs.
+
+    :meth:`result` waits for them (the request's thread stacks them, off the device thread).
+    """
 
     client: int
     tiles: torch.Tensor
@@ -66,9 +73,38 @@ class _Call:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
+    def result(self) -> torch.Tensor:
+        """``(B, C_out, *tile_out)``: this call's outputs, once its forward passes ran.
+
+        Raises:
+            BaseException: whatever the forward pass holding one of its tiles raised.
+        """
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return torch.stack([o for o in self.outputs if o is not None])
+
+
+@dataclass(eq=False)
+class _Staged:
+    """A batch formed and stacked, waiting for the device (or run by it)."""
+
+    taken: list[tuple[_Call, int]]
+    x: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
 
 class SharedBatcher:
     """Forward batches shared by concurrent requests (see the module docstring).
+
+    Three threads, so the device thread only runs forward passes: the *assembler* forms the next
+    batch (round robin by request) and stacks its tiles while the device runs the current one;
+    the *device* thread calls the predictor; the *completer* hands each request its outputs. A
+    request's client also has ``submit(tiles) -> handle`` (``handle.result()`` waits): the tiling
+    engine then hands in its next batch before it merges the current one, so the assembler has
+    tiles to form the next forward batch while the device is busy (:mod:`tiling.engine`).
 
     Args:
         predictor: maps ``(B, C, *tile)`` to ``(B, C_out, *tile_out)``.
@@ -77,6 +113,10 @@ class SharedBatcher:
         wait_s: how long a batch that is not full waits for more tiles (``TILEWISE_BATCH_WAIT_MS``).
         on_batch: called after each forward pass with its tile count, the number of requests
             whose tiles it held, and its seconds.
+
+    Attributes:
+        forward_calls: forward passes run so far.
+        busy_s: seconds spent in the predictor.
     """
 
     def __init__(
@@ -100,39 +140,49 @@ class SharedBatcher:
         self._closed = False
         self.forward_calls = 0
         self.busy_s = 0.0
-        self._thread = threading.Thread(target=self._loop, name="tilewise-shared-batch", daemon=True)
-        self._thread.start()
+        # one staged batch waits while the device runs another: the next is formed meanwhile
+        self._ready: queue.Queue[_Staged | None] = queue.Queue(maxsize=1)
+        self._done: queue.Queue[_Staged | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=target, name=f"tilewise-shared-{name}", daemon=True)
+            for target, name in ((self._assemble, "assemble"), (self._device, "device"),
+                                 (self._complete, "complete"))
+        ]  # fmt: skip
+        for thread in self._threads:
+            thread.start()
 
     def client(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A predictor for one request: call it with that request's batches."""
+        """A predictor for one request: call it with that request's batches (or ``submit`` them)."""
         ident = next(self._ids)
 
-        def predict(tiles: torch.Tensor) -> torch.Tensor:
+        def submit(tiles: torch.Tensor) -> _Call:
             return self._submit(ident, tiles)
 
+        def predict(tiles: torch.Tensor) -> torch.Tensor:
+            return self._submit(ident, tiles).result()
+
         predict.device = self.device  # type: ignore[attr-defined]
+        predict.submit = submit  # type: ignore[attr-defined]
         return predict
 
     def close(self) -> None:
-        """Stop the batcher thread (waiting calls fail)."""
+        """Stop the threads (waiting calls fail)."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        self._thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
 
-    def _submit(self, client: int, tiles: torch.Tensor) -> torch.Tensor:
+    def _submit(self, client: int, tiles: torch.Tensor) -> _Call:
         n = int(tiles.shape[0])
         call = _Call(client, tiles, [None] * n, n)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the shared batcher is closed")
-            queue = self._queues.setdefault(client, deque())
-            queue.extend((call, k) for k in range(n))
+            queue_ = self._queues.setdefault(client, deque())
+            queue_.extend((call, k) for k in range(n))
             self._lock.notify_all()
-        call.done.wait()
-        if call.error is not None:
-            raise call.error
-        return torch.stack([o for o in call.outputs if o is not None])
+        return call
 
     def _pending(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -146,19 +196,19 @@ class SharedBatcher:
         """Up to :meth:`_target` tiles of one shape, round robin by request (oldest request first)."""
         target = self._target()
         shape = None
-        for queue in self._queues.values():
-            if queue:
-                shape = tuple(queue[0][0].tiles.shape[1:])
+        for queue_ in self._queues.values():
+            if queue_:
+                shape = tuple(queue_[0][0].tiles.shape[1:])
                 break
         taken: list[tuple[_Call, int]] = []
         while len(taken) < target:
             progressed = False
             for client in list(self._queues):
-                queue = self._queues[client]
-                if queue and tuple(queue[0][0].tiles.shape[1:]) == shape and len(taken) < target:
-                    taken.append(queue.popleft())
+                queue_ = self._queues[client]
+                if queue_ and tuple(queue_[0][0].tiles.shape[1:]) == shape and len(taken) < target:
+                    taken.append(queue_.popleft())
                     progressed = True
-                if not queue:
+                if not queue_:
                     del self._queues[client]
             if not progressed:
                 break
@@ -166,52 +216,100 @@ class SharedBatcher:
             self._queues.move_to_end(next(iter(self._queues)))
         return taken
 
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._closed and self._pending() == 0:
-                    self._lock.wait()
-                if self._closed:
-                    self._fail_all(RuntimeError("the shared batcher is closed"))
-                    return
-                deadline = time.monotonic() + self.wait_s
-                while self._pending() < self._target() and not self._closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._lock.wait(left)
-                batch = self._take()
-            if batch:
-                self._run(batch)
-
-    def _run(self, batch: list[tuple[_Call, int]]) -> None:
-        started = time.perf_counter()
+    def _assemble(self) -> None:
+        """Form batches (full, or after ``wait_s``) and stack them, ahead of the device."""
         try:
-            x = torch.stack([call.tiles[k] for call, k in batch])
-            with torch.inference_mode():
-                y = self.predictor(x)
-            if not isinstance(y, torch.Tensor):
-                y = torch.as_tensor(y)
-        except BaseException as exc:  # noqa: BLE001 - handed to every waiting request of the batch
-            for call, _ in batch:
-                call.error = exc
-                call.done.set()
-            return
-        seconds = time.perf_counter() - started
-        self.forward_calls += 1
-        self.busy_s += seconds
-        requests = len({call.client for call, _ in batch})
-        for j, (call, k) in enumerate(batch):
-            call.outputs[k] = y[j]
-            call.left -= 1
-            if call.left == 0:
-                call.done.set()
-        if self.on_batch is not None:
-            self.on_batch(len(batch), requests, seconds)
+            while True:
+                with self._lock:
+                    while not self._closed and self._pending() == 0:
+                        self._lock.wait()
+                    if self._closed:
+                        self._fail_all(RuntimeError("the shared batcher is closed"))
+                        return
+                    deadline = time.monotonic() + self.wait_s
+                    while self._pending() < self._target() and not self._closed:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._lock.wait(left)
+                    taken = self._take()
+                if not taken:
+                    continue
+                staged = _Staged(taken)
+                try:
+                    staged.x = _stacked(taken)
+                except BaseException as exc:  # noqa: BLE001 - handed to the batch's requests
+                    staged.error = exc
+                    self._done.put(staged)
+                    continue
+                while True:  # blocks while a staged batch still waits for the device
+                    try:
+                        self._ready.put(staged, timeout=0.1)
+                        break
+                    except queue.Full:
+                        if self._closed:
+                            staged.error = RuntimeError("the shared batcher is closed")
+                            self._done.put(staged)
+                            break
+        finally:
+            self._ready.put(None)
+
+    def _device(self) -> None:
+        """The device thread: forward passes only."""
+        try:
+            while True:
+                staged = self._ready.get()
+                if staged is None:
+                    return
+                started = time.perf_counter()
+                try:
+                    with torch.inference_mode():
+                        y = self.predictor(staged.x)
+                    staged.y = y if isinstance(y, torch.Tensor) else torch.as_tensor(y)
+                except BaseException as exc:  # noqa: BLE001 - handed to every waiting request of the batch
+                    staged.error = exc
+                staged.seconds = time.perf_counter() - started
+                staged.x = None
+                self.forward_calls += 1
+                self.busy_s += staged.seconds
+                self._done.put(staged)
+        finally:
+            self._done.put(None)
+
+    def _complete(self) -> None:
+        """Hand each request its outputs (off the device thread)."""
+        while True:
+            staged = self._done.get()
+            if staged is None:
+                return
+            if staged.error is not None or staged.y is None:
+                error = staged.error or RuntimeError("the forward pass returned nothing")
+                for call, _ in staged.taken:
+                    call.error = error
+                    call.done.set()
+                continue
+            y = staged.y
+            requests = len({call.client for call, _ in staged.taken})
+            for j, (call, k) in enumerate(staged.taken):
+                call.outputs[k] = y[j]
+                call.left -= 1
+                if call.left == 0:
+                    call.done.set()
+            if self.on_batch is not None:
+                self.on_batch(len(staged.taken), requests, staged.seconds)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for queue in self._queues.values():
-            for call, _ in queue:
+        for queue_ in self._queues.values():
+            for call, _ in queue_:
                 call.error = exc
                 call.done.set()
         self._queues.clear()
+
+
+def _stacked(taken: list[tuple[_Call, int]]) -> torch.Tensor:
+    """The batch's input: one call's own tensor when the batch is all of it in order, else a stack."""
+    first = taken[0][0]
+    whole = list(range(int(first.tiles.shape[0])))
+    if all(call is first for call, _ in taken) and [k for _, k in taken] == whole:
+        return first.tiles
+    return torch.stack([call.tiles[k] for call, k in taken])

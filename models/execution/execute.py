@@ -12,31 +12,30 @@ a model runs one pass at a time (``model.run_lock``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from models.execution.batching import current_predictor
+from models.execution.options import RunOptions
 from models.planning.params import OutputKind
 from models.planning.plan import RunPlan
 from models.planning.planner import retry_smaller
 from models.transforms.preprocess import make_reduce
-from tiling import Placement, Resume, SeamStats, TileReuse, aligned_extent, context_halo
+from tiling import Placement, Resume, aligned_extent, context_halo
 
 if TYPE_CHECKING:
     from models.backends import PoolingContext
-    from models.model import Model, TiledPass
+    from models.model import Model
 
 __all__ = ["CONTEXT_WHOLE_FACTOR", "MirroredTiles", "execute_plan", "prepare_context"]
 
 #: Global-pooling models: images of at most this many tiles' voxels get their pool means from one
 #: whole-image pass (exact and fastest; memory up to this many tiles' worth).
 CONTEXT_WHOLE_FACTOR = 4
-
-Progress = bool | Callable[[int], object]
 
 
 def execute_plan(
@@ -45,48 +44,45 @@ def execute_plan(
     plan: RunPlan,
     *,
     out: npt.NDArray[Any] | None = None,
-    progress: Progress = False,
-    should_stop: Callable[[], bool] | None = None,
-    resume: Resume | None = None,
-    seam: SeamStats | None = None,
-    replanned: Callable[[RunPlan], object] | None = None,
-    tiled: TiledPass | None = None,
-    reuse: TileReuse | None = None,
+    options: RunOptions | None = None,
 ) -> tuple[npt.NDArray[Any], RunPlan]:
     """Run ``plan`` on the preprocessed ``x`` ``(C_in, *plan.spatial_shape)`` (see
-    :meth:`models.Model.execute`, which checks the shapes first). ``tiled`` runs each pass
+    :meth:`models.Model.execute`, which checks the shapes first). ``options.tiled`` runs each pass
     elsewhere (a Dask cluster: no out-of-memory retry here, the cluster retries its tasks).
 
     Returns:
         the output (``(C_out, *spatial * scale)`` float32 probabilities or ``(1, *spatial *
         scale)`` uint8 labels; ``out`` itself when given, filled) and the plan that made it
-        (a smaller one after an out-of-memory retry).
+        (a smaller one after an out-of-memory retry; the chunks' plan on a cluster).
 
     Raises:
         InferenceError: the backend failed (``DeviceOutOfMemoryError`` when nothing smaller fits).
-        RunCancelledError: ``should_stop()`` returned true.
+        RunCancelledError: ``options.should_stop()`` returned true.
     """
+    options = options or RunOptions()
+    if options.on_plan is not None and options.tiled is None:
+        options.on_plan(plan)
     spec = model.spec
     labels = plan.output == OutputKind.LABELS
     # nnU-Net mirrors inside each window (logits averaged there): flipping the whole image would move
     # a centred window's padding and origins, so a centred placement flips each tile instead
+    tiled = options.tiled
     in_tiles = spec.padding is not Placement.END and spec.output.tta_average == "logits" and tiled is None
     if len(plan.flips) == 1 or in_tiles:
         target = out[None] if out is not None and labels else out
         reduce = make_reduce(spec.activation, plan.output.value)
-        run = (progress, should_stop, resume, seam, replanned, tiled)
         flips = plan.flips if len(plan.flips) > 1 else None
-        result, plan = _tiled(model, x, plan, reduce, target, *run, flips=flips, reuse=reuse)
+        result, plan = _tiled(model, x, plan, reduce, target, options, flips=flips)
         return result, plan
     # tta: the mean over the flipped passes (probabilities, or logits), then the output kind
     logits = spec.output.tta_average == "logits"
     per_pass = make_reduce("none" if logits else spec.activation, "probabilities")
     total: npt.NDArray[np.float32] | None = None
+    whole = dataclasses.replace(options, resume=None)  # averaged in memory: every pass runs whole
     for axes in plan.flips:
         dims = tuple(1 + a for a in axes)
         flipped = np.ascontiguousarray(np.flip(x, dims)) if dims else x
-        run = (progress, should_stop, None, seam, replanned, tiled)
-        y, plan = _tiled(model, flipped, plan, per_pass, None, *run, reuse=reuse)
+        y, plan = _tiled(model, flipped, plan, per_pass, None, whole)
         y = np.flip(np.asarray(y, dtype=np.float32), dims) if dims else np.asarray(y, np.float32)
         total = y.copy() if total is None else total + y
     assert total is not None
@@ -108,28 +104,24 @@ def _tiled(
     plan: RunPlan,
     reduce: Any,
     out: Any,
-    progress: Progress,
-    should_stop: Callable[[], bool] | None,
-    resume: Resume | None,
-    seam: SeamStats | None,
-    replanned: Callable[[RunPlan], object] | None,
-    tiled: TiledPass | None = None,
+    options: RunOptions,
     flips: tuple[tuple[int, ...], ...] | None = None,
-    reuse: TileReuse | None = None,
 ) -> tuple[npt.NDArray[Any], RunPlan]:
     """One tiled pass, retried smaller when the device runs out of memory
-    (:func:`models.planning.planner.retry_smaller`), or run by ``tiled`` elsewhere; the result and the plan
-    that made it. ``flips``: each tile's prediction is the mean over these flips of the tile
-    (:class:`MirroredTiles`)."""
+    (:func:`models.planning.planner.retry_smaller`), or run by ``options.tiled`` elsewhere; the
+    result and the plan that made it. ``flips``: each tile's prediction is the mean over these
+    flips of the tile (:class:`MirroredTiles`)."""
     from tiling import tiled_inference
 
     spec = model.spec
-    if tiled is not None:
-        y = tiled(model, x, plan, reduce, progress=progress, should_stop=should_stop)
+    if options.tiled is not None:
+        y, ran = options.tiled(model, x, plan, reduce, options)
+        if options.replanned is not None and ran is not plan:
+            options.replanned(ran)
         if out is None:
-            return y, plan
+            return y, ran
         out[...] = y
-        return out, plan
+        return out, ran
 
     def once(p: RunPlan, r: Resume | None) -> npt.NDArray[Any]:
         context = model.context
@@ -143,15 +135,15 @@ def _tiled(
                     prepare_context(model, context, x, p)
                 result: npt.NDArray[Any] = tiled_inference(
                     x, predictor, grid=p.grid, batch_size=p.batch_size,
-                    device=model.predictor.device, out=out, reduce=reduce, progress=progress,
-                    should_stop=should_stop, resume=r, seam=seam, reuse=reuse,
+                    device=model.predictor.device, out=out, reduce=reduce, progress=options.progress,
+                    should_stop=options.should_stop, resume=r, seam=options.seam, reuse=options.reuse,
                 )  # fmt: skip
             finally:
                 if context is not None:
                     context.clear_context()
         return result
 
-    return retry_smaller(once, plan, spec, model.predictor.device, resume=resume, replanned=replanned)
+    return retry_smaller(once, plan, spec, model.predictor.device, options)
 
 
 class MirroredTiles:

@@ -42,13 +42,14 @@ import numpy as np
 import numpy.typing as npt
 
 from models.errors import InputError
+from models.execution.options import RunOptions
 from models.geometry.model_grid import DEFAULT_SLAB_BYTES, GeometryError, GeometryPlan, plan_geometry
 from models.geometry.resample import _oriented, from_model_labels, from_model_probabilities, to_model
 from models.planning.params import InferenceParams, OutputKind, Spacing
 from models.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from models.model import Model, TiledPass
+    from models.model import Model
     from models.planning.plan import RunPlan
     from tiling import Resume, SeamStats
 
@@ -138,7 +139,8 @@ class GridMapping:
         return self.frame.model_shape if self.frame is not None else self.geometry.model_shape
 
     def extra_bytes(self, out_channels: int, *, labels: bool) -> int:
-        """Bytes mapping back holds beyond the run's own (:func:`models.planning.cost.peak_bytes`).
+        """Bytes mapping back holds beyond the run's own (:func:`models.planning.cost.peak_bytes` of
+        its plan).
 
         With resampling the run ends in ``C_out``-channel float32 probabilities on the model grid
         (``4 * C_out * prod(S_m)`` instead of ``prod(S_m)`` uint8 labels), then the input-grid
@@ -285,9 +287,7 @@ def run_mapped(
     *,
     check: Callable[..., None] | None = None,
     start: Callable[[RunPlan], tuple[Any, Resume]] | None = None,
-    progress: bool | Callable[[int], object] = False,
-    should_stop: Callable[[], bool] | None = None,
-    tiled: TiledPass | None = None,
+    options: RunOptions | None = None,
     memory_budget: int | None = None,
     input_bytes: int = 0,
 ) -> MappedRun:
@@ -307,10 +307,12 @@ def run_mapped(
         start: called with the plan the network runs (on the model grid: its ``output`` is
             ``probabilities`` when the mapping resamples) for the ``out`` array and the
             :class:`tiling.Resume` that continue a stopped run (a job's checkpoint).
-        progress, should_stop: as :meth:`Model.execute`.
-        tiled: run each tiled pass elsewhere (:class:`models.model.TiledPass`, e.g. on a Dask
-            cluster) instead of in this process; everything before and after it is the same. No
-            seam is measured then (``seam`` is ``None``), and ``start`` must be ``None``.
+        options: how the run is watched (:class:`~models.execution.options.RunOptions`: its
+            ``progress``, ``should_stop``, ``on_plan``; the run adds ``resume``, ``seam`` and
+            ``replanned``). Its ``tiled`` runs each tiled pass elsewhere
+            (:class:`models.model.TiledPass`, e.g. on a Dask cluster) instead of in this process;
+            everything before and after it is the same. No seam is measured then (``seam`` is
+            ``None``), and ``start`` must be ``None``.
         memory_budget, input_bytes: the budget the plan is sized within and the decoded input's
             bytes held beside the run (:meth:`Model.plan`).
 
@@ -327,7 +329,8 @@ def run_mapped(
     held = input_bytes + mapping.extra_bytes(spec.out_channels, labels=wants_labels)
     budgeted = {"memory_budget": memory_budget, "input_bytes": held, "copies_input": copies}
     plan = model.plan(x.shape[1:], p, sample=x, **budgeted)
-    seam = model.seam_stats(plan) if tiled is None else None
+    options = options or RunOptions()
+    seam = model.seam_stats(plan) if options.tiled is None else None
     if check is not None:
         labels = plan.output == OutputKind.LABELS
         extra = mapping.extra_bytes(spec.out_channels, labels=labels)
@@ -338,13 +341,20 @@ def run_mapped(
     executed = plan if mapping.is_identity else dataclasses.replace(plan, output=OutputKind.PROBABILITIES)
     out, resume = start(executed) if start is not None else (None, None)
     ran = [executed]  # a smaller plan after the device ran out of memory
-    from tiling import TileReuse
+    told = options.replanned
 
-    reuse = TileReuse() if tiled is None else None  # constant tiles run once (tiling.reuse), counted
-    pred = model.execute(
-        x, executed, out=out, resume=resume, progress=progress, should_stop=should_stop, seam=seam,
-        tiled=tiled, replanned=ran.append, reuse=reuse,
-    )  # fmt: skip
+    def replanned(smaller: RunPlan) -> None:
+        ran.append(smaller)
+        if told is not None:
+            told(smaller)
+
+    reuse = options.reuse
+    if reuse is None and options.tiled is None:
+        from tiling import TileReuse
+
+        reuse = TileReuse()  # constant tiles run once (tiling.reuse), counted
+    run = dataclasses.replace(options, resume=resume, seam=seam, replanned=replanned, reuse=reuse)
+    pred = model.execute(x, executed, out=out, options=run)
     skipped = None if reuse is None else reuse.n_reused
     plan = dataclasses.replace(ran[-1], output=plan.output, skipped=skipped)
     if mapping.is_identity:

@@ -49,6 +49,7 @@ __all__ = [
     "Tta",
     "parse_params",
     "parse_query",
+    "per_axis_field",
 ]
 
 PerAxis = int | tuple[int, ...]
@@ -174,7 +175,7 @@ def _did_you_mean(value: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _per_axis(minimum: int, *, auto: bool = False) -> BeforeValidator:
+def per_axis_field(minimum: int, *, auto: bool = False) -> BeforeValidator:
     """Parse ``"8"``, ``"8,8,4"``, ``8``, ``[8, 8, 4]`` (and ``"auto"``) into an int or a tuple."""
 
     def parse(value: Any, info: ValidationInfo) -> Any:
@@ -314,16 +315,16 @@ class InferenceParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    tile: Annotated[PerAxis | None, _per_axis(1)] = Field(
+    tile: Annotated[PerAxis | None, per_axis_field(1)] = Field(
         default=None, description="Tile (network input) per axis, voxels: `128` or `128,128,64`."
     )
-    halo: Annotated[PerAxis | Literal["auto"] | None, _per_axis(0, auto=True)] = Field(
+    halo: Annotated[PerAxis | Literal["auto"] | None, per_axis_field(0, auto=True)] = Field(
         default=None, description="Discarded margin per side, voxels, per axis; or `auto` (calibrated)."
     )
     halo_tolerance: Annotated[float | None, BeforeValidator(_positive_number)] = Field(
         default=None, description="Max truncation error accepted by `halo=auto` (after the activation)."
     )
-    overlap: Annotated[PerAxis | None, _per_axis(0)] = Field(
+    overlap: Annotated[PerAxis | None, per_axis_field(0)] = Field(
         default=None, description="Voxels shared by neighbouring tile cores (blended)."
     )
     blend: Annotated[Blend | None, _choice(Blend)] = Field(

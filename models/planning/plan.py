@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from models.planning.params import Blend, OutputKind, Tta
 from tiling import TileGrid
+
+if TYPE_CHECKING:
+    from tiling.distributed import DaskPlan
 
 __all__ = ["RunPlan"]
 
@@ -44,6 +48,9 @@ class RunPlan:
         skipped: tiles not run (outside a slide's tissue mask, or a constant input answered from one
             computed tile: :mod:`tiling.reuse`): after a run the count, before it the tiles expected
             to be skipped when known, else ``None``.
+        chunked: the plan a run on a Dask cluster ran (:func:`tiling.distributed.plan_dask`: chunks,
+            each block tiled on its own); then :attr:`halo` is its depth, and :attr:`n_tiles` and
+            :attr:`work` are summed over the chunks. ``None``: :attr:`grid` ran in process.
     """
 
     model: str
@@ -61,6 +68,7 @@ class RunPlan:
     mirror_axes: tuple[int, ...] | None = None
     tile_source: str = "given"
     skipped: int | None = None
+    chunked: DaskPlan | None = None
 
     @property
     def flips(self) -> tuple[tuple[int, ...], ...]:
@@ -73,13 +81,15 @@ class RunPlan:
 
     @property
     def n_tiles(self) -> int:
-        """Tiles fed to the network: the grid's, once per tiled pass."""
-        return self.grid.n_tiles * len(self.flips)
+        """Tiles fed to the network: the grid's (or the chunks' together), once per tiled pass."""
+        per_pass = self.grid.n_tiles if self.chunked is None else self.chunked.n_tiles
+        return per_pass * len(self.flips)
 
     @property
     def work(self) -> float:
         """Voxels fed to the network per input voxel (1.0: no overhead; halos and overlap add)."""
-        return self.grid.work * len(self.flips)
+        per_pass = self.grid.work if self.chunked is None else self.chunked.work
+        return per_pass * len(self.flips)
 
     def header(self) -> str:
         """The ``X-Tilewise-Plan`` header value.
@@ -88,7 +98,9 @@ class RunPlan:
         network, the halo and overlap per axis, the tile count (every pass) and :attr:`work`. With
         ``tta=mirror`` it ends in ``; passes=8`` (the grid of ``tiles / passes`` tiles ran once per
         flip), so a given tile's grid is seen to be the grid of the same request without TTA; then
-        ``; skipped=N`` when tiles were (or are expected to be) skipped.
+        ``; skipped=N`` when tiles were (or are expected to be) skipped. A run on a Dask cluster
+        (:attr:`chunked`) ends in ``; chunks=N``: its halo is the chunks' depth, its tiles and work
+        those of every chunk's own grid.
         """
 
         def axes(values: tuple[int, ...]) -> str:
@@ -99,4 +111,5 @@ class RunPlan:
             f"overlap={axes(self.overlap)}; tiles={self.n_tiles}; work={self.work:.2f}"
             + (f"; passes={len(self.flips)}" if len(self.flips) > 1 else "")
             + (f"; skipped={self.skipped}" if self.skipped else "")
+            + (f"; chunks={self.chunked.n_chunks}" if self.chunked is not None else "")
         )

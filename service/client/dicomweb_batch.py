@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service._options import FORMAT_SUFFIXES
+from service.options import FORMAT_SUFFIXES
 
 __all__ = ["SeriesResult", "run_dicomweb_batch"]
 

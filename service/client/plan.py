@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from service._options import FORMAT_SUFFIXES
+from service.options import FORMAT_SUFFIXES
 from service.sniff import KINDS, slide_kind, sniff_file
 
 __all__ = [

@@ -24,7 +24,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service._options import blank_to_none
+from service.options import blank_to_none
 
 __all__ = ["ClientSettings"]
 

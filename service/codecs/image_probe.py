@@ -26,7 +26,7 @@ from service.errors import (
 )
 from service.sniff import Sniffed
 
-__all__ = ["probe_image"]
+__all__ = ["probe_image", "tiff_layout"]
 
 logger = logging.getLogger("service.codecs.images")
 
@@ -146,7 +146,7 @@ def _pillow_dtype(mode: str) -> type:
     return {"I": np.int32, "F": np.float32}.get(mode, np.uint8)
 
 
-def _tiff_layout(axes: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, list[int], int | None]:
+def tiff_layout(axes: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, list[int], int | None]:
     """``(spatial shape, channels, kept axes, channel axis among them)`` of a tifffile series.
 
     Raises:
@@ -199,7 +199,7 @@ def _probe_tiff(path: Path) -> Probe:
         dtype = np.dtype(series.dtype)
         single_page = len(tif.pages) == 1
         _check_one_series(tif)
-    spatial, channels, _, _ = _tiff_layout(axes, shape)
+    spatial, channels, _, _ = tiff_layout(axes, shape)
     if min(spatial) < 2:
         raise UnusableInputError(
             f"TIFF of shape {shape} (axes {axes!r}) is a {'x'.join(map(str, spatial))} image: an image needs "

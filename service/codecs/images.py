@@ -43,8 +43,8 @@ from service.codecs.image_probe import (
     _GREY_MODES,
     _malformed,
     _open_lazily,
-    _tiff_layout,
     probe_image,
+    tiff_layout,
 )
 from service.codecs.volume import DecodedVolume, Probe
 from service.errors import DecodeError, PayloadTooLargeError
@@ -164,7 +164,7 @@ def _decode_with_tifffile(path: Path) -> DecodedVolume:
             series = tif.series[0]
             axes, shape = series.axes, tuple(int(n) for n in series.shape)
             array = series.asarray()
-        _, _, keep, channel = _tiff_layout(axes, shape)
+        _, _, keep, channel = tiff_layout(axes, shape)
         array = array.reshape([shape[i] for i in keep])
     array = np.moveaxis(array, channel, 0) if channel is not None else array[None]
     if not array.dtype.isnative:

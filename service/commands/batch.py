@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service._options import add_param_options, argparse_number, param_values
+from service.options import add_param_options, argparse_number, param_values
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from service._options import FORMAT_SUFFIXES, add_param_options, argparse_bytes, param_values
+from service.options import FORMAT_SUFFIXES, add_param_options, argparse_bytes, param_values
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +183,7 @@ def _run(args: argparse.Namespace) -> int:
     from service.memory import fix_mmap_threshold
     from service.pipeline import Limits, run_file
     from service.settings import Settings, open_repository
+    from service.stages import RunOptions
     from tiling import TilingError
 
     overrides = {"models_dir": args.models, "device": args.device, "memory_budget": args.memory_budget}
@@ -200,9 +201,8 @@ def _run(args: argparse.Namespace) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.ExitStack() as stack:
             tiled = None if args.dask is None else stack.enter_context(_dask_pass(args, settings, target))
-            result = run_file(
-                model, args.input, stem, params, limits=limits, progress=args.progress, tiled=tiled
-            )
+            options = RunOptions(progress=args.progress, tiled=tiled)
+            result = run_file(model, args.input, stem, params, limits=limits, options=options)
         os.replace(result.path, target)
         repository.store_measurements(args.model)  # a later `tilewise plan` plans this halo
     except (ServiceError, ModelError, TilingError) as exc:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service._options import add_param_options, argparse_bytes, param_values
+from service.options import add_param_options, argparse_bytes, param_values
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from service._options import argparse_bytes, argparse_number
+from service.options import argparse_bytes, argparse_number
 
 logger = logging.getLogger(__name__)
 

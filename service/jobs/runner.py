@@ -7,9 +7,15 @@ replicas; a scanner thread looks every ``TILEWISE_JOB_SCAN_S`` for unfinished jo
 free (their owner died or stopped) and takes them, while the executor has room, and removes jobs
 older than ``TILEWISE_JOB_TTL_S``.
 
-A job runs :func:`service.pipeline.run_file`, the synchronous endpoint's orchestration, with a
+A job runs in the synchronous endpoint's three stages (:mod:`service.stages`), with a
 :class:`~service.jobs.checkpoint.SlabCheckpoint`, so its result is the same file, and a run that
-starts over continues from the last finished slab. With ``TILEWISE_DASK_SCHEDULER`` set, a job
+starts over continues from the last finished slab: ``prepare`` (header, region source, one plan,
+the checkpoint opened) and ``finish`` (the output file completed, encoded) on the job's own CPU
+thread (at most :data:`CPU_STAGES` jobs in either at once), only ``execute`` (the tiled network
+passes) on the device executor's thread, so a job that encodes never holds the device. An input
+that is decoded whole (:func:`service.stages.why_not_streamed`) or sent to a cluster runs as the
+synchronous endpoint runs it: :func:`service.pipeline.run_file` on the device thread. A job is
+``queued`` (with its ``position``) until its execute stage starts. With ``TILEWISE_DASK_SCHEDULER`` set, a job
 whose input has more than ``TILEWISE_DASK_MIN_VOXELS`` voxels runs its tiled passes on that Dask
 cluster instead (:class:`service.cluster.ClusterRoute`; the same file, no slab checkpoint: a run
 that starts over starts from the beginning); its record's ``cluster`` names the scheduler, and
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -48,8 +55,9 @@ from service.jobs.progress import RunProgress
 from service.jobs.record import JobError, JobRecord, JobResult, JobState
 from service.jobs.store import INPUT_FILE, PARTIAL_FILE, JobStore
 from service.metrics import Metrics
-from service.pipeline import InferenceResult, Limits, run_file
+from service.pipeline import InferenceResult, Limits, prepare_file, run_file
 from service.sniff import sniff_file
+from service.stages import Prepared, RunOptions, execute, finish, result_headers
 from tiling import RunCancelledError
 
 __all__ = ["JobService"]
@@ -69,15 +77,21 @@ def sniff_file_safe(path: Path) -> str | None:
         return sniff_file(path) if path.is_file() else None
     except OSError:
         return None
+#: Jobs in their prepare or finish stage (CPU work: decompressing, statistics, encoding) at once.
+CPU_STAGES = 2
 
 
 @dataclass
 class _Held:
-    """A job this process holds: its lease, its place in the executor, its stop flag."""
+    """A job this process holds: its lease, its stop flag, its order of arrival, and its execute
+    stage's place in the executor (``future``, once prepared)."""
 
     lease: Lease
+    seq: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
-    future: concurrent.futures.Future[None] | None = None
+    future: concurrent.futures.Future[Any] | None = None
+    started: bool = False  # its execute stage began (running, then finishing)
+    thread: threading.Thread | None = None
 
 
 class JobService:
@@ -114,6 +128,8 @@ class JobService:
         self.cluster = ClusterRoute(settings)
         #: The server's :class:`~service.sharing.SharedBatches` (``TILEWISE_SHARED_REQUESTS`` > 1).
         self.batches: Any = None
+        self._cpu = threading.BoundedSemaphore(CPU_STAGES)
+        self._seq = itertools.count()
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -137,6 +153,10 @@ class JobService:
         self.stop_all()
         for thread in self._threads:
             thread.join(10)
+        with self._lock:
+            runs = [h.thread for h in self._held.values() if h.thread is not None]
+        for run in runs:  # each stops before its next batch, or its queued execute was cancelled
+            run.join(30)
         with self._lock:
             held = list(self._held.items())
             self._held.clear()
@@ -167,12 +187,15 @@ class JobService:
     def enqueue(self, lease: Lease, slot: Slot) -> None:
         """Queue the job of ``lease`` on the executor in ``slot``."""
         job_id = lease.job_id
-        held = _Held(lease)
+        held = _Held(lease, seq=next(self._seq))
+        slot = slot.hand_over()  # the job's thread holds it until its execute stage is queued
+        held.thread = threading.Thread(
+            target=self._job, args=(job_id, slot), name=f"tilewise-job-{job_id[:12]}", daemon=True
+        )
         with self._lock:
             self._held[job_id] = held
-        held.future = self.executor.submit_future(lambda: self._run(job_id), slot=slot)
-        held.future.add_done_callback(lambda future: self._after(job_id, future))
         self.metrics.jobs.labels(JobState.QUEUED.value).inc()
+        held.thread.start()
 
     def cancel(self, job_id: str) -> None:
         """Ask for the job's cancellation; when nobody holds it, cancel it here."""
@@ -185,7 +208,7 @@ class JobService:
         if held is not None:
             held.stop.set()
             if held.future is not None:
-                held.future.cancel()  # not started yet: _after finishes it
+                held.future.cancel()  # not started yet: its thread finishes it
             return
         lease = self.leases.take(self.store.folder(job_id))
         if lease is not None:  # nobody holds it (its owner died): finish it here
@@ -196,22 +219,21 @@ class JobService:
 
     # -- the run ----------------------------------------------------------------------------------
 
-    def _after(self, job_id: str, future: concurrent.futures.Future[None]) -> None:
-        """The executor is done with the job: a cancelled (never started) one is finished or let go."""
-        with self._lock:
-            held = self._held.pop(job_id, None)
-        if held is None:
-            return
+    def _job(self, job_id: str, slot: Slot) -> None:
+        """The job's own thread: its stages, then its lease and slot let go."""
         try:
-            if future.cancelled() and held.lease.valid() and self.store.cancel_requested(job_id):
-                self._finish(self.store.read(job_id), held.lease, JobState.CANCELLED)
+            self._run(job_id, slot)
         except Exception:
-            logger.exception("job %s: could not record its cancellation", job_id)
+            logger.exception("job %s: its run failed outside its stages", job_id)
         finally:
-            held.lease.release()
+            slot.release()  # a no-op once its execute stage took the slot
+            with self._lock:
+                held = self._held.pop(job_id, None)
+            if held is not None:
+                held.lease.release()
 
-    def _run(self, job_id: str) -> None:
-        """The executor's work for one job (its lease is released by :meth:`_after`)."""
+    def _run(self, job_id: str, slot: Slot) -> None:
+        """Prepare here, execute on the device thread (in ``slot``), finish here."""
         with self._lock:
             held = self._held[job_id]
         lease = held.lease
@@ -231,11 +253,7 @@ class JobService:
             error = JobError(error="too_many_attempts", detail=detail)
             self._finish(record, lease, JobState.FAILED, error=error)
             return
-        record.state = JobState.RUNNING
-        record.started_at = record.started_at or time.time()
-        self.store.write(record, durable=True)
-        self.metrics.jobs.labels(JobState.RUNNING.value).inc()
-        logger.info("job %s: running model=%s attempt=%d", job_id, record.model, record.attempts)
+        self.store.write(record, durable=True)  # an attempt that kills its server counts
         progress = RunProgress(record, lease, self.store, self.metrics)
         folder = self.store.folder(job_id)
 
@@ -244,32 +262,56 @@ class JobService:
 
         deadline = RunDeadline.of(self.limits)  # past twice max_request_seconds: failed, with why
         should_stop = deadline.should_stop(stopped)
-
+        prepared: Prepared | None = None
         try:
             model = load_model(self.repository(), record.model)
             params = parse_query(record.query.items())
             checkpoint = SlabCheckpoint(
                 folder / PARTIAL_FILE, record.checkpoint, progress.save_checkpoint, progress.on_start
             )
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(deadline.running())
-                tiled = self._dask_pass(record, folder, progress, params)
-                if tiled is not None:
-                    stack.enter_context(tiled)
-                shared = self.batches.bind(model) if self.batches is not None and tiled is None else None
-                if shared is not None:
-                    stack.enter_context(shared)
-                result = run_file(
-                    model,
-                    folder / INPUT_FILE,
-                    folder / "output",
-                    params,
-                    limits=self.limits,
-                    should_stop=should_stop,
-                    progress=progress.tiles,
-                    checkpoint=checkpoint if tiled is None else None,
-                    tiled=tiled,
-                )
+            tiled = self._dask_pass(record, folder, progress, params)
+            if tiled is None:  # read by region and written as it finishes, when the input allows
+                with self._cpu:
+                    prepared = prepare_file(model, folder / INPUT_FILE, folder / "output", params,
+                                            limits=self.limits, checkpoint=checkpoint)  # fmt: skip
+            queued_at = time.perf_counter()
+
+            def device() -> InferenceResult | None:
+                """The execute stage (or, for an input decoded whole, the whole run)."""
+                self.metrics.stage_seconds.labels("queue").observe(time.perf_counter() - queued_at)
+                self._running(record, progress, held)
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(deadline.running())
+                    if tiled is not None:
+                        stack.enter_context(tiled)
+                    elif self.batches is not None:
+                        stack.enter_context(self.batches.bind(model))
+                    if prepared is not None:
+                        execute(prepared, RunOptions(progress.tiles, should_stop))
+                        return None
+                    options = RunOptions(progress=progress.tiles, should_stop=should_stop, tiled=tiled)
+                    return run_file(
+                        model, folder / INPUT_FILE, folder / "output", params, limits=self.limits,
+                        options=options, checkpoint=checkpoint if tiled is None else None,
+                    )  # fmt: skip
+
+            if held.stop.is_set():
+                raise RunCancelledError("stopped before its execute stage")
+            held.future = self.executor.submit_future(device, slot=slot)
+            if held.stop.is_set():  # stopped while it was submitted: drop it if still queued
+                held.future.cancel()
+            try:
+                outcome = held.future.result()
+            except concurrent.futures.CancelledError:
+                raise RunCancelledError("its queued execute stage was cancelled") from None
+            if prepared is not None:
+                with self._cpu:
+                    done, prepared = prepared, None
+                    outcome = finish(done)
+            assert outcome is not None
+            result = outcome
+            for stage, seconds in result.stages.items():
+                self.metrics.stage_seconds.labels(stage).observe(seconds)
             stored = store_job_result(self.settings, record, result.path)  # store=true: STOW-RS
             if stored is not None:
                 record.stored = stored
@@ -292,6 +334,19 @@ class JobService:
         else:
             with progress.lock:
                 self._finish(record, lease, JobState.DONE, result=result)
+        finally:
+            if prepared is not None:  # not finished: its temporaries go
+                prepared.close()
+
+    def _running(self, record: JobRecord, progress: RunProgress, held: _Held) -> None:
+        """The execute stage begins (on the device thread): the job is ``running``."""
+        with progress.lock:
+            held.started = True
+            record.state = JobState.RUNNING
+            record.started_at = record.started_at or time.time()
+            progress.write(durable=True, force=True)
+        self.metrics.jobs.labels(JobState.RUNNING.value).inc()
+        logger.info("job %s: running model=%s attempt=%d", record.id, record.model, record.attempts)
 
     def _dask_pass(
         self, record: JobRecord, folder: Any, progress: RunProgress, params: InferenceParams
@@ -326,8 +381,6 @@ class JobService:
         folder = self.store.folder(job_id)
         record.state, record.finished_at, record.error = state, time.time(), error
         if result is not None:
-            from service.routes.infer import result_headers
-
             record.tiles_done = record.tiles_total or result.n_tiles
             record.tiles_skipped = result.plan.skipped
             self.metrics.tiles_skipped.labels(record.model).inc(result.plan.skipped or 0)
@@ -433,8 +486,12 @@ class JobService:
         """The job's place in this replica's device queue (1 = next), or ``None``."""
         with self._lock:
             held = self._held.get(job_id)
-        if held is None or held.future is None:
-            return None
+            if held is None or held.started:
+                return None
+            if held.future is None:  # preparing: behind what waits for the device, and older jobs
+                ahead = sum(1 for h in self._held.values() if h.future is None and not h.started
+                            and h.seq < held.seq)  # fmt: skip
+                return self.executor.waiting() + ahead + 1
         return self.executor.position(held.future)
 
     def held(self) -> list[str]:

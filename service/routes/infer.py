@@ -32,10 +32,10 @@ from service.metrics import Metrics
 from service.pipeline import InferenceResult, Limits, prepare_file, run_file
 from service.requestid import current_request_id
 from service.routes.docs import error_doc, params_doc
-from service.stages import Prepared, RunOptions, execute, finish
+from service.stages import Prepared, RunOptions, execute, finish, result_headers
 from service.upload import Pace, receive_upload
 
-__all__ = ["result_headers", "router"]
+__all__ = ["router"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,22 +153,6 @@ class _CleanupFileResponse(FileResponse):
             )
 
 
-def result_headers(label: str, result: InferenceResult) -> dict[str, str]:
-    """The `X-Tilewise-*` headers of an inference result (the jobs API sends the same)."""
-    warning = {"X-Tilewise-Warning": result.plan.warning} if result.plan.warning else {}
-    return {
-        **warning,
-        "X-Tilewise-Model": label,
-        "X-Tilewise-Format": result.format,
-        "X-Tilewise-Output": result.output_kind,
-        "X-Tilewise-Shape": ",".join(str(n) for n in result.output_shape),
-        "X-Tilewise-Dtype": result.output_dtype,
-        "X-Tilewise-Seconds": f"{result.seconds:.3f}",
-        "X-Tilewise-Plan": result.plan.header(),
-        **({"X-Tilewise-Seam": result.seam.header()} if result.seam is not None else {}),
-    }
-
-
 def _loaded(repository: Any, name: str) -> Any:
     """The model, loaded (:func:`service.admission.load_model`: 503 when it fails to load)."""
     return load_model(repository, name)
@@ -254,7 +238,8 @@ def _work(
     shared = batches.bind(model) if batches is not None else contextlib.nullcontext()
     with shared, deadline.running():  # TILEWISE_SHARED_REQUESTS > 1: forward passes shared
         stopper = deadline.should_stop(stop.is_set)
-        result = run_file(model, source, stem, params, limits=limits, should_stop=stopper, progress=tiles.inc)
+        options = RunOptions(progress=tiles.inc, should_stop=stopper)
+        result = run_file(model, source, stem, params, limits=limits, options=options)
     for stage, seconds in result.stages.items():
         metrics.stage_seconds.labels(stage).observe(seconds)
     metrics.inference_seconds.labels(model.spec.name, str(model.spec.backend)).observe(result.seconds)

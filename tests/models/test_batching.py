@@ -8,6 +8,7 @@ tiles each, batch size 8, run concurrently through one :class:`models.execution.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -90,3 +91,35 @@ def test_simulated_accelerator_benchmark_cuts_forward_calls() -> None:
     assert result["forward_call_reduction"] >= 3, result
     assert result["shared"]["max_requests_per_pass"] > 1 and result["max_abs_diff_vs_alone"] == 0.0
     assert 0 < result["shared"]["busy"] <= 1 and 0 < result["one_at_a_time"]["busy"] <= 1
+
+
+def test_the_next_batch_waits_beside_the_device_while_it_runs_the_current_one() -> None:
+    """The engine hands a queued predictor (``client().submit``) its next batch before merging the
+    current one, so during every forward pass but the last the batcher already holds the next
+    tiles: the device never waits for the request's Python work (no timing: the pass waits, up
+    to 10 s, until it sees them)."""
+    rng = np.random.default_rng(1)
+    x = rng.random((1, 53, 47), dtype=np.float32)
+    grid = TileGrid.plan(x.shape[1:], 24, 4)
+    n = grid.n_tiles
+    seen: list[int] = []
+    holder: dict[str, SharedBatcher] = {}
+
+    def device(batch: torch.Tensor) -> torch.Tensor:
+        b = holder["b"]
+        deadline = time.monotonic() + 10
+        with b._lock:
+            while len(seen) < n - 1 and b._pending() + b._ready.qsize() == 0 and time.monotonic() < deadline:
+                b._lock.wait(0.02)
+            seen.append(b._pending() + b._ready.qsize())
+        return batch * 2
+
+    batcher = SharedBatcher(device, 1, wait_s=0.0)
+    holder["b"] = batcher
+    try:
+        y = tiled_inference(x, batcher.client(), grid=grid, batch_size=1)
+    finally:
+        batcher.close()
+    assert n >= 4 and len(seen) == n and batcher.forward_calls == n
+    assert all(k >= 1 for k in seen[: n - 1]), seen
+    assert np.array_equal(y, 2 * x)

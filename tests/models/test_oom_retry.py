@@ -14,6 +14,7 @@ import torch
 from models import InferenceParams, ModelRepository
 from models.backends import BasePredictor
 from models.errors import DeviceOutOfMemoryError
+from models.execution.options import RunOptions
 from models.measure.footprint import Footprint
 from models.model import Model
 
@@ -61,7 +62,7 @@ def test_out_of_memory_above_a_batch_size_halves_the_batch_with_the_same_output(
     seen = []
     x = model.preprocess(volume)
     plan = model.plan(x.shape[1:], InferenceParams(tile=32, batch_size=4), footprint=Footprint.estimate(1))
-    out = model.execute(x, plan, replanned=seen.append)
+    out = model.execute(x, plan, options=RunOptions(replanned=seen.append))
     np.testing.assert_array_equal(out, reference)
     assert [p.batch_size for p in seen] == [2, 1]
     assert all(p.grid.used_tile_shape == plan.grid.used_tile_shape for p in seen)
@@ -78,7 +79,7 @@ def test_out_of_memory_at_batch_1_halves_the_tile_with_the_same_output(
     x = model.preprocess(volume)
     plan = model.plan(x.shape[1:], InferenceParams(tile=48, batch_size=2), footprint=Footprint.estimate(1))
     assert plan.grid.n_tiles == 1  # one 48x40x36 tile: batch 1 already, so the tile halves
-    model.execute(x, plan, replanned=seen.append)
+    model.execute(x, plan, options=RunOptions(replanned=seen.append))
     assert [p.batch_size for p in seen] == [1]
     assert seen[-1].grid.used_tile_shape == (24, 20, 18) and seen[-1].halo == plan.halo
     assert max(int(np.prod(b[2:])) for b in predictor.batches[-seen[-1].grid.n_tiles :]) <= 30**3

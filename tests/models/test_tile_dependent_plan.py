@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from models import InferenceParams, ModelRepository
+from models.execution.options import RunOptions
 from models.zoo.nets import UNet
 from tiling import TileGrid
 
@@ -92,7 +93,7 @@ def test_auto_halo_runs_the_blended_default_plan(
     assert plan.grid.n_tiles == blended.n_tiles
     seam = model.seam_stats(plan)
     assert seam is not None
-    labels = model.execute(x, plan, seam=seam)
+    labels = model.execute(x, plan, options=RunOptions(seam=seam))
     assert labels.shape == x.shape[1:]
     assert len(calls) == math.ceil(blended.n_tiles / 2) and sum(calls) == blended.n_tiles
     assert seam.measured and 0 < seam.max_abs <= 1 and seam.mean_abs < seam.max_abs
@@ -113,5 +114,5 @@ def test_request_overrides_and_local_models(repo: ModelRepository, rng: np.rando
     short = local.plan(x.shape[1:], InferenceParams(halo=4, overlap=4))
     seam = local.seam_stats(short)
     assert seam is not None
-    local.execute(x, short, seam=seam)
+    local.execute(x, short, options=RunOptions(seam=seam))
     assert seam.measured and seam.max_abs > 1e-3  # the halo lacks 6 voxels of context

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from models import ModelRepository
+from models.execution.options import RunOptions
 from models.planning.params import InferenceParams
 from service.errors import JobNotFoundError
 from service.jobs import JobRecord, JobState, JobStore, job_status
@@ -208,13 +209,20 @@ def test_a_job_stopped_and_resumed_writes_the_synchronous_file(tmp_path, gaussia
         done[0] += n
 
     with pytest.raises(RunCancelledError):
-        run_file(gaussian, source, tmp_path / "job", params, checkpoint=checkpoint(), progress=count,
-                 should_stop=lambda: done[0] >= reference.n_tiles // 2)  # fmt: skip
+        half = RunOptions(progress=count, should_stop=lambda: done[0] >= reference.n_tiles // 2)
+        run_file(gaussian, source, tmp_path / "job", params, checkpoint=checkpoint(), options=half)
     rows = saved["rows_done"]
     assert rows > 0 and started[0].first_tile == 0
     computed = done[0]
     done[0] = 0
-    result = run_file(gaussian, source, tmp_path / "job", params, checkpoint=checkpoint(), progress=count)
+    result = run_file(
+        gaussian,
+        source,
+        tmp_path / "job",
+        params,
+        checkpoint=checkpoint(),
+        options=RunOptions(progress=count),
+    )
     assert result.path.read_bytes() == reference.path.read_bytes()
     assert started[1].rows_done == rows and started[1].first_tile > 0
     assert done[0] == reference.n_tiles - started[1].first_tile
@@ -222,7 +230,14 @@ def test_a_job_stopped_and_resumed_writes_the_synchronous_file(tmp_path, gaussia
     assert computed + done[0] - reference.n_tiles <= 2 * per_row  # the row in progress (+1 blended)
     # Another plan for the same file starts from zero (the record names the plan).
     other = InferenceParams.model_validate({**query, "tile": "20"})
-    run_file(gaussian, source, tmp_path / "other", other, checkpoint=checkpoint(), progress=count)
+    run_file(
+        gaussian,
+        source,
+        tmp_path / "other",
+        other,
+        checkpoint=checkpoint(),
+        options=RunOptions(progress=count),
+    )
     assert started[2].first_tile == 0
 
 
@@ -263,9 +278,9 @@ def test_a_tta_job_starts_over_and_still_writes_the_synchronous_file(tmp_path, g
 
     done = [0]
     with pytest.raises(RunCancelledError):
-        run_file(gaussian, source, tmp_path / "job", params, checkpoint=checkpoint(),
-                 progress=lambda n: done.__setitem__(0, done[0] + n),
-                 should_stop=lambda: done[0] >= reference.n_tiles // 2)  # fmt: skip
+        options = RunOptions(progress=lambda n: done.__setitem__(0, done[0] + n),
+                             should_stop=lambda: done[0] >= reference.n_tiles // 2)  # fmt: skip
+        run_file(gaussian, source, tmp_path / "job", params, checkpoint=checkpoint(), options=options)
     assert saved["rows_done"] == 0
     result = run_file(gaussian, source, tmp_path / "job", params, checkpoint=checkpoint())
     assert [p.first_tile for p in started] == [0, 0]

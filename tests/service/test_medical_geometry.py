@@ -20,6 +20,7 @@ from _medical_nets import LABELS, NAME, write_model
 from nibabel.orientations import io_orientation, ornt_transform
 
 from models import ModelRepository, parse_params
+from models.execution.options import RunOptions
 from service.pipeline import run_file
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,8 @@ def test_a_stopped_job_resumes_on_the_model_grid(anatomical_path: Path, tmp_path
         return len(calls) > per_row + 1
 
     with pytest.raises(RunCancelledError):
-        run_volume(model, volume, params, should_stop=stop_in_the_second_row, checkpoint=checkpoint(None))
+        run_volume(model, volume, params, options=RunOptions(should_stop=stop_in_the_second_row),
+                   checkpoint=checkpoint(None))  # fmt: skip
     partial = np.load(tmp_path / "partial.npy", mmap_mode="r")
     assert partial.shape == (3, 66, 82, 50) and partial.dtype == np.float32  # the model grid
     assert 0 < records[-1]["rows_done"] < 66
@@ -156,7 +158,8 @@ def test_a_stopped_job_resumes_on_the_model_grid(anatomical_path: Path, tmp_path
         batches.append(1)
         return False
 
-    resumed = run_volume(model, volume, params, should_stop=count, checkpoint=checkpoint(records[-1]))
+    resumed = run_volume(model, volume, params, options=RunOptions(should_stop=count),
+                         checkpoint=checkpoint(records[-1]))  # fmt: skip
     assert len(batches) <= grid.n_tiles - per_row  # the finished tile row was not run again
     np.testing.assert_array_equal(resumed.result, whole.result)
     assert grid.grid_shape[0] >= 3 and resumed.plan.header() == whole.plan.header()

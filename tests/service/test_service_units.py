@@ -69,8 +69,8 @@ def test_option_lists_match_the_engine_and_the_codecs() -> None:
     """models.planning.params is light (the client may not import torch), so it spells the blend names out;
     they must stay the values of tiling.BlendMode, and the formats those the codecs write."""
     from models.planning.params import Blend, OutputFormat
-    from service._options import FORMAT_SUFFIXES
     from service.codecs import OUTPUT_FORMATS
+    from service.options import FORMAT_SUFFIXES
     from tiling import BlendMode
 
     assert [b.value for b in Blend] == [mode.value for mode in BlendMode]
@@ -102,7 +102,7 @@ def test_cli_options_come_from_the_schema() -> None:
 def test_argparse_number() -> None:
     import argparse
 
-    from service._options import argparse_number
+    from service.options import argparse_number
 
     count, seconds = argparse_number(int, 0), argparse_number(float, 0.0, strict=True)
     assert count("3") == 3 and seconds("0.5") == 0.5
@@ -231,7 +231,7 @@ def test_service_errors_module_is_light() -> None:
     import sys
 
     code = (
-        "import sys, service.errors, models.planning.params, models.spec, service.codecs, service._options;"
+        "import sys, service.errors, models.planning.params, models.spec, service.codecs, service.options;"
         "bad = [m for m in ('torch', 'fastapi', 'starlette') if m in sys.modules];"
         "print(*bad); sys.exit(1 if bad else 0)"
     )
