@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     from models import ModelRepository
-    from models.zoo.brainmask import BRAIN_MASK_NAME, FRAME_SHAPE, from_frame, setup_brain_mask, to_frame
     from models.transforms.preprocess import preprocess
+    from models.zoo.brainmask import BRAIN_MASK_NAME, FRAME_SHAPE, from_frame, setup_brain_mask, to_frame
     from tiling import TileGrid, tiled_inference
 
     args.out.mkdir(parents=True, exist_ok=True)

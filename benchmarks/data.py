@@ -82,8 +82,8 @@ def preprocessed(raw: Path, models_dir: Path, dest: Path) -> Path:
     """``raw`` through text-det-2d's preprocessing (computed each run: the spec decides)."""
     import numpy as np
 
-    from models.transforms.preprocess import preprocess
     from models.repository import ModelRepository
+    from models.transforms.preprocess import preprocess
 
     spec = ModelRepository(models_dir, device="cpu").spec(TEXT_DET)
     np.save(dest, np.ascontiguousarray(preprocess(np.load(raw), spec), dtype=np.float32))

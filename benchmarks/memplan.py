@@ -18,8 +18,14 @@ def worker_memplan(job: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     from models import ModelRepository
+    from models.measure.rss import (
+        fix_mmap_threshold,
+        peak_rss_bytes,
+        release_free_memory,
+        reset_peak_rss,
+        rss_bytes,
+    )
     from models.planning.params import parse_params
-    from models.measure.rss import fix_mmap_threshold, peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
     from service.dryrun import dry_run
     from service.pipeline import Limits, run_file
 

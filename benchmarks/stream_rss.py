@@ -174,8 +174,14 @@ def measure(
 ) -> dict[str, Any]:
     """The figures of one case, measured in this process (see the module docstring)."""
     from models import ModelRepository
+    from models.measure.rss import (
+        fix_mmap_threshold,
+        peak_rss_bytes,
+        release_free_memory,
+        reset_peak_rss,
+        rss_bytes,
+    )
     from models.planning.params import parse_params
-    from models.measure.rss import fix_mmap_threshold, peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
 
     try:
         from service.admission import admit

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from models.backends import BasePredictor, Predictor, load_predictor, resolve_device
-    from models.measure.calibration import HaloCalibrator
     from models.errors import (
         BackendError,
         BackendUnavailableError,
@@ -36,10 +35,16 @@ if TYPE_CHECKING:
         UnknownModelError,
         WeightsError,
     )
+    from models.measure.calibration import HaloCalibrator
+    from models.measure.receptive import (
+        HaloCalibration,
+        ReceptiveField,
+        calibrate_halo,
+        probe_receptive_field,
+    )
     from models.model import Model
     from models.planning.params import InferenceParams, parse_params
     from models.planning.plan import RunPlan
-    from models.measure.receptive import HaloCalibration, ReceptiveField, calibrate_halo, probe_receptive_field
     from models.repository import DEFAULT_MODELS_DIR, ModelRepository
     from models.spec import ModelSpec, PreprocessStep, load_spec, spec_from_mapping
 

@@ -21,11 +21,11 @@ from typing import Any
 from models.backends import BasePredictor, load_predictor
 from models.errors import ModelError, ModelUnavailableError, RegistryError, UnknownModelError
 from models.measure.measured import MeasurementStore
+from models.measure.warmup import check_forward, reason
 from models.model import Model
 from models.names import SPEC_SUFFIXES, declared_name
 from models.spec import ModelSpec, load_spec
 from models.zoo.textdet import TEXT_DET_FILE, TEXT_DET_NAME, text_det_spec
-from models.measure.warmup import check_forward, reason
 
 __all__ = ["DEFAULT_MODELS_DIR", "ModelRepository"]
 

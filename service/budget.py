@@ -182,8 +182,8 @@ class Budget:
         Raises:
             OverBudgetError: naming ``eta_s`` and ``max_request_seconds`` (422).
         """
-        from models.planning.cost import network_seconds
         from models.measure.footprint import Footprint
+        from models.planning.cost import network_seconds
 
         fp = footprint or Footprint.estimate(1)
         eta = network_seconds(plan, fp)

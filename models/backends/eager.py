@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.zoo.analytic import DEFAULT_SIGMA, DEFAULT_TRUNCATE, AnalyticNet
 from models.backends.base import BasePredictor
 from models.errors import DeviceOutOfMemoryError, InferenceError, SpecError, WeightsError
 from models.spec import ModelSpec
 from models.weights import load_weights, require_file, verify_checksum
+from models.zoo.analytic import DEFAULT_SIGMA, DEFAULT_TRUNCATE, AnalyticNet
 
 __all__ = ["EagerPredictor", "load_eager_module", "translate_torch_errors"]
 

@@ -20,8 +20,6 @@ import numpy.typing as npt
 
 from models.backends import BasePredictor, PoolingContext
 from models.errors import InputError
-from models.planning.planner import HaloRule, auto_halo_rule
-from models.transforms.preprocess import make_reduce
 from models.measure.receptive import (
     HaloCalibration,
     ReceptiveField,
@@ -29,7 +27,9 @@ from models.measure.receptive import (
     probe_input,
     probe_receptive_field,
 )
+from models.planning.planner import HaloRule, auto_halo_rule
 from models.spec import ModelSpec
+from models.transforms.preprocess import make_reduce
 from tiling.plan import calibration_margin, fits_one_tile, round_up
 
 __all__ = ["AutoHalo", "HaloCalibrator", "sample_fingerprint"]

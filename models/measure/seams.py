@@ -19,8 +19,8 @@ from models.backends import BasePredictor
 from models.measure.calibration import HaloCalibrator
 from models.measure.dependence import ProbeError, TileDependence, probe_tile_dependence
 from models.planning.plan import RunPlan
-from models.transforms.preprocess import make_reduce
 from models.spec import Backend, ModelSpec
+from models.transforms.preprocess import make_reduce
 from tiling import SeamStats, TileGrid
 from tiling.geometry import as_ints
 from tiling.plan import round_up

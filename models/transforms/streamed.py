@@ -24,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from models.errors import InputError
-from models.transforms.preprocess import _apply, _unit_range
 from models.spec import ModelSpec, PreprocessStep
+from models.transforms.preprocess import _apply, _unit_range
 
 __all__ = [
     "RegionPreprocessed",

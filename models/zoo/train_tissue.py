@@ -270,8 +270,8 @@ def run(
     import torch
     from safetensors.torch import save_file
 
-    from models.transforms.preprocess import preprocess
     from models.spec import load_spec
+    from models.transforms.preprocess import preprocess
 
     spec = load_spec(spec_path)
     t1, maps, labels = load_mni152()
@@ -328,7 +328,8 @@ def _update_spec_sha(spec_path: Path, digest: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The training options (shared by ``python -m models.zoo.train_tissue`` and ``tilewise train-tissue``)."""
+    """The training options (shared by ``python -m models.zoo.train_tissue`` and
+    ``tilewise train-tissue``)."""
     default = TrainConfig()
     parser.add_argument(
         "--out", type=Path, default=SPEC_PATH.parent, help=f"output folder (default: {SPEC_PATH.parent})"
@@ -355,7 +356,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m models.zoo.train_tissue [--out DIR] [--seed N] [--steps N] [--threads N]``."""
-    parser = argparse.ArgumentParser(prog="python -m models.zoo.train_tissue", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m models.zoo.train_tissue", description=__doc__.split("\n")[0]
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

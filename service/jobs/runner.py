@@ -77,6 +77,8 @@ def sniff_file_safe(path: Path) -> str | None:
         return sniff_file(path) if path.is_file() else None
     except OSError:
         return None
+
+
 #: Jobs in their prepare or finish stage (CPU work: decompressing, statistics, encoding) at once.
 CPU_STAGES = 2
 

@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 
 from models import ChecksumMismatchError, InputError, ModelRepository, WeightsError
+from models.transforms.preprocess import preprocess
+from models.weights import sha256_file
 from models.zoo.brainmask import (
     BRAIN_MASK_FILE,
     BRAIN_MASK_NAME,
@@ -40,8 +42,6 @@ from models.zoo.brainmask import (
     setup_brain_mask,
     to_frame,
 )
-from models.transforms.preprocess import preprocess
-from models.weights import sha256_file
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import torch
 from PIL import Image
 
 from models.geometry.model_grid import plan_geometry
-from models.transforms.preprocess import label_dtype, make_reduce
 from models.geometry.resample import from_model_labels
+from models.transforms.preprocess import label_dtype, make_reduce
 from service.codecs import DecodedVolume, encode
 from service.errors import BadParameterError
 

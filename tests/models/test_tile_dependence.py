@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.measure.dependence import ProbeError, TileDependence, probe_tile_dependence
 from models.errors import InputError
+from models.measure.dependence import ProbeError, TileDependence, probe_tile_dependence
 
 
 def _conv_stack(dims: int, norm: type[nn.Module], dilations=(1, 1, 1), channels: int = 4) -> nn.Sequential:

@@ -21,6 +21,7 @@ import torch
 import tiling
 from models import InferenceParams, ModelRepository
 from models.transforms.preprocess import preprocess
+from models.weights import sha256_file
 from models.zoo.tissue_net import ALIGNMENT, RECEPTIVE_FIELD, TissueUNet
 from models.zoo.train_tissue import (
     LABEL_NAMES,
@@ -34,7 +35,6 @@ from models.zoo.train_tissue import (
     run,
     train_module,
 )
-from models.weights import sha256_file
 
 logger = logging.getLogger(__name__)
 

@@ -89,6 +89,7 @@ def test_anatomical_over_http(
 
 def _brain_mask_dir(tmp_path: Path) -> Path:
     from models import DEFAULT_MODELS_DIR
+    from models.weights import sha256_file
     from models.zoo.brainmask import (
         BRAIN_MASK_FILE,
         BRAIN_MASK_NAME,
@@ -96,7 +97,6 @@ def _brain_mask_dir(tmp_path: Path) -> Path:
         WHEEL_MEMBER,
         setup_brain_mask,
     )
-    from models.weights import sha256_file
 
     path = DEFAULT_MODELS_DIR / BRAIN_MASK_FILE
     if not path.is_file() or sha256_file(path) != BRAIN_MASK_SHA256:

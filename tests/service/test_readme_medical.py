@@ -41,8 +41,8 @@ def test_medical_section_names_both_models_and_their_labels() -> None:
 @pytest.mark.slow
 def test_readme_medical_commands(tmp_path: Path, mni152_path: Path) -> None:
     from models import DEFAULT_MODELS_DIR
-    from models.zoo.brainmask import BRAIN_MASK_FILE, BRAIN_MASK_SHA256, WHEEL_MEMBER, setup_brain_mask
     from models.weights import sha256_file
+    from models.zoo.brainmask import BRAIN_MASK_FILE, BRAIN_MASK_SHA256, WHEEL_MEMBER, setup_brain_mask
 
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
