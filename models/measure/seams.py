@@ -125,12 +125,23 @@ class SeamPolicy:
         return SeamStats(transform=make_reduce(self.spec.activation, "probabilities"))
 
     def _calibrated_exact(self, plan: RunPlan) -> bool:
-        """Whether ``plan``'s halo came from a calibration (``halo=auto``) that met its tolerance."""
+        """Whether ``plan``'s halo came from a calibration (``halo=auto``) that met its tolerance.
+
+        A tile grown by the planner is calibrated on its own crop of the request's image (another
+        sample name than the first tile's, :meth:`HaloCalibrator.calibrate`): for a plan whose halo
+        came from a sample, the latest calibration of its tile on a sample (the one this request
+        ran or reused: the cache is kept in use order) decides.
+        """
         if plan.halo_source in ("given", "tile-dependent"):
             return False
         _, halos = self.calibrator.measured()
         tile = tuple(int(t) for t in plan.tile)
-        found = [c for (t, _, source), c in halos if tuple(t) == tile and source == plan.halo_source]
+        from_sample = plan.halo_source.startswith("sample ")
+
+        def same(source: str) -> bool:
+            return source == plan.halo_source or (from_sample and source.startswith("sample "))
+
+        found = [c for (t, _, source), c in halos if tuple(t) == tile and same(str(source))]
         return bool(found) and found[-1].met and found[-1].halo <= min(plan.halo)
 
     def halo_warning(self, grid: TileGrid, halo: tuple[int, ...]) -> str | None:
