@@ -531,19 +531,25 @@ class TissueMask:
 
 def thumbnail(slide: _Slide, max_side: int = MASK_SIDE) -> np.ndarray:
     """The whole slide as ``(h, w, 3)`` uint8 with ``max(h, w) <= max_side``: the coarsest level,
-    read in row strips and block-averaged by an integer factor when it is still larger."""
+    read in row strips and block-averaged by an integer factor ``k`` when it is still larger
+    (``h = ceil(H / k)``: the last block of each axis is ragged, averaged over what it holds, so a
+    level thinner than ``k`` still gives one row)."""
     level = len(slide.info.levels) - 1
     H, W = slide.level_shape(level)
     k = max(1, math.ceil(max(H, W) / max_side))
-    h, w = H // k or 1, W // k or 1
-    out = np.empty((h, w, 3), np.uint8)
+    h, w = -(-H // k), -(-W // k)
+    out = np.zeros((h, w, 3), np.uint8)
     rows = max(k, (16 << 20) // max(W * 3, 1) // k * k)
-    for y in range(0, h * k, rows):
-        block = slide.read(level, y, min(y + rows, h * k), 0, w * k).astype(np.float32)
-        n = block.shape[0] // k
+    cols = np.arange(0, W, k)
+    col_n = np.diff(np.append(cols, W)).astype(np.float32)
+    for y in range(0, H, rows):
+        block = slide.read(level, y, min(y + rows, H), 0, W).astype(np.float32)
+        starts = np.arange(0, block.shape[0], k)
         if k > 1:
-            block = block[: n * k].reshape(n, k, w, k, 3).mean(axis=(1, 3))
-        out[y // k : y // k + n] = np.round(block[:n]).astype(np.uint8)
+            row_n = np.diff(np.append(starts, block.shape[0])).astype(np.float32)
+            sums = np.add.reduceat(np.add.reduceat(block, starts, axis=0), cols, axis=1)
+            block = sums / (row_n[:, None, None] * col_n[None, :, None])
+        out[y // k : y // k + len(starts)] = np.round(block).astype(np.uint8)
     return out
 
 

@@ -303,3 +303,19 @@ def test_spec_mpp_reads_the_slide_at_the_models_resolution(slides):
     )
     with pytest.raises(ValidationError, match="needs a 2D model"):
         ModelSpec.model_validate({**three, "mpp": 0.5})
+
+
+def test_thumbnail_of_a_level_thinner_than_the_block_is_its_mean(tmp_path):
+    """Review item 11: a 50000 x 3 coarsest level (block k = 25 > its height) once left the
+    thumbnail uninitialised; every pixel is now the mean of its (ragged) block: 200 here."""
+    import tifffile
+
+    from service.slides import thumbnail
+
+    path = tmp_path / "thin.tif"
+    tifffile.imwrite(path, np.full((3, 50000, 3), 200, np.uint8), photometric="rgb", tile=(16, 256))
+    info = SlideInfo("tifffile", None, ((50000, 3, 1.0),), 0.25)
+    with closing(open_slide(path, info)) as slide:
+        thumb = thumbnail(slide)
+    assert thumb.shape == (1, 2000, 3)
+    assert int(thumb.min()) == int(thumb.max()) == 200
