@@ -22,8 +22,9 @@ need more than :data:`MAX_READ_PIXELS` for one tile (a flat TIFF seen from afar)
 Where the file's next level is far coarser than the one a tile would read (a big gap between
 levels), the coarser one is read and upsampled rather than more than :data:`MAX_READ_PIXELS` of the
 finer one. So a request costs at most :data:`MAX_READ_PIXELS` decoded pixels, except the one that
-builds an overview (one pass over the coarsest level, memory one band; a lock per file). PNG and JPEG are one compressed
-stream: they are decoded whole (within Pillow's decompression-bomb limit).
+builds an overview (one pass over the coarsest level, memory one band; a lock per file). PNG and
+JPEG are one compressed stream: they are decoded whole (within Pillow's decompression-bomb limit),
+once for all their tiles (:func:`opened` keeps the last few files open).
 
 Pictures: the input as JPEG (RGB; grey or non-8-bit data stretched over the coarsest level's
 range); the result as RGBA PNG coloured like the page's legend: labels in
@@ -36,6 +37,9 @@ from __future__ import annotations
 import io
 import math
 import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -59,6 +63,7 @@ __all__ = [
     "dzi_xml",
     "encode_tile",
     "open_pyramid",
+    "opened",
     "render_tile",
 ]
 
@@ -69,6 +74,8 @@ OVERLAP = 1
 MAX_READ_PIXELS = 4096 * 4096
 #: Longest side of an overview (pixels).
 OVERVIEW_EDGE = 1024
+#: Open pyramids kept between requests (:func:`opened`).
+OPEN_PYRAMIDS = 8
 #: Probabilities below this share of the range are not drawn (as ``RAMP_THRESHOLD`` in palette.js).
 RAMP_THRESHOLD = 0.1
 _OVERVIEW_SUFFIX = ".dzi-overview.npy"
@@ -335,6 +342,60 @@ def open_pyramid(path: Path) -> Pyramid:
     if _needs_overview(pyramid.levels):
         pyramid = _WithOverview(pyramid, path.with_name(path.name + _OVERVIEW_SUFFIX))
     return pyramid
+
+
+class _Open:
+    """One cached pyramid: its reads are serialized (one file handle); ``closed`` once evicted."""
+
+    def __init__(self, pyramid: Pyramid) -> None:
+        self.pyramid, self.lock, self.closed = pyramid, threading.Lock(), False
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                self.pyramid.close()
+
+
+_OPEN: OrderedDict[tuple[str, int, int], _Open] = OrderedDict()
+_OPEN_GUARD = threading.Lock()
+
+
+@contextmanager
+def opened(path: Path) -> Iterator[Pyramid]:
+    """:func:`open_pyramid` of ``path`` kept open between requests: the last :data:`OPEN_PYRAMIDS`
+    files, keyed by path, mtime and size (a rewritten file is opened anew), so a tile request
+    neither re-parses a TIFF nor re-decodes a PNG or JPEG. Reads of one file are serialized while
+    the context is held; entries of deleted files are closed on the next call.
+
+    Raises:
+        UnsupportedMediaTypeError: as :func:`open_pyramid`.
+    """
+    while True:
+        stat = path.stat() if path.is_file() else None
+        key = (str(path), 0 if stat is None else stat.st_mtime_ns, 0 if stat is None else stat.st_size)
+        with _OPEN_GUARD:
+            entry = _OPEN.get(key)
+            if entry is not None:
+                _OPEN.move_to_end(key)
+            gone = [k for k in _OPEN if k != key and not Path(k[0]).is_file()]
+            stale = [_OPEN.pop(k) for k in gone]
+        for old in stale:
+            old.close()
+        if entry is None:
+            fresh = _Open(open_pyramid(path))
+            with _OPEN_GUARD:
+                entry = _OPEN.setdefault(key, fresh)
+                evicted = [_OPEN.popitem(last=False)[1] for _ in range(max(0, len(_OPEN) - OPEN_PYRAMIDS))]
+            if entry is not fresh:
+                fresh.close()
+            for old in evicted:
+                old.close()
+        with entry.lock:
+            if not entry.closed:
+                yield entry.pyramid
+                return
+        # evicted between the look-up and the lock: open it again
 
 
 def source_box(pyramid: Pyramid, box: TileBox) -> tuple[int, int, int, int, int]:

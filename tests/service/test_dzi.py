@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -361,3 +362,32 @@ def test_an_overview_is_built_in_bounded_memory_and_locks_only_its_file(
         worker.join(60)
     assert opened and opened[0].levels[-1] == (117, 125)
     opened[0].close()
+
+
+def test_tile_requests_reuse_the_open_image_until_it_changes(tmp_path: Path) -> None:
+    """Review item 16: a PNG is decoded once for all its tiles (the same open image serves every
+    request), opened anew once rewritten; a deleted file's entry is closed."""
+    from skimage import data
+
+    path = tmp_path / "camera.png"
+    Image.fromarray(data.camera()).save(path)
+    zoom = dzi.DeepZoom(512, 512)
+    with dzi.opened(path) as first:
+        tile = dzi.render_tile(first, zoom.box(9, 1, 1), role="input")
+    with dzi.opened(path) as second:
+        again = dzi.render_tile(second, zoom.box(9, 1, 1), role="input")
+    assert second is first
+    assert np.array_equal(tile, again)
+    assert np.array_equal(tile[..., 0], data.camera()[255:512, 255:512])
+    Image.fromarray(data.camera()[::-1]).save(path)
+    os.utime(path, ns=(1, 1))
+    with dzi.opened(path) as third:
+        assert third is not first
+        assert np.array_equal(dzi.render_tile(third, zoom.box(9, 0, 0), role="input")[..., 0],
+                              data.camera()[::-1][:257, :257])  # fmt: skip
+    other = tmp_path / "other.png"
+    Image.fromarray(data.camera()[:100]).save(other)
+    path.unlink()
+    with dzi.opened(other) as fourth:
+        assert fourth.levels == [(512, 100)]
+    assert all(Path(key[0]).is_file() for key in dzi._OPEN)
