@@ -5,11 +5,12 @@ Shapes: ``(C, H, W)`` channel-first (``C = 3``, RGB), ``H, W`` at the level read
 
 A TIFF is a *slide* by content, not by name: tifffile flags it as a slide format (SVS, NDPI, SCN,
 Philips, BIF, QPI) or it is tiled with several pyramid levels (SubIFDs of an OME-TIFF, or
-reduced-resolution pages of a generic tiled TIFF). The reader is chosen per file and named in the
-plan: ``tiffslide`` (the TIFF family; BSD, pure Python on tifffile), else ``tifffile`` (its own
-pyramid levels, when the ``slides`` extra is absent), and ``openslide`` (extra ``openslide``) for
-what no TIFF reader opens (DICOM-WSI, MRXS). Regions are read lazily through the level's zarr
-store (only the tiles a region touches are decoded); nothing decodes a whole level.
+reduced-resolution pages of a generic tiled TIFF), and its pixels are 8-bit ``YX`` or ``YXS``.
+The reader is chosen per file and named in the plan: ``tiffslide`` (the TIFF family; BSD, pure
+Python on tifffile), else ``tifffile`` (its own pyramid levels, when the ``slides`` extra is
+absent), and ``openslide`` (extra ``openslide``) for what no TIFF reader opens (DICOM-WSI, MRXS).
+Regions are read lazily through the level's zarr store (only the tiles a region touches are
+decoded); nothing decodes a whole level.
 
 Resolution (:func:`choose_resolution`). The spec's ``mpp`` (microns per pixel the network was
 trained at) or the request's ``mpp`` picks the nearest level at or finer than the target, resampled
@@ -246,15 +247,19 @@ def _plausible(mpp: Any, source: str) -> tuple[float | None, str | None]:
 
 
 def is_slide_tiff(path: Path) -> bool:
-    """Whether the TIFF at ``path`` is a slide (see the module docstring); ``False`` for any file
+    """Whether the TIFF at ``path`` is a slide (see the module docstring): its first series also
+    has axes ``YX`` or ``YXS`` and dtype uint8, what the slide readers return (a channel-first
+    ``CYX`` or a 16-bit fluorescence pyramid is read as any other TIFF); ``False`` for any file
     tifffile cannot open."""
     import tifffile
 
     try:
         with tifffile.TiffFile(path) as tif:
+            series = tif.series[0]
+            if series.axes not in ("YX", "YXS") or np.dtype(series.dtype) != np.uint8:
+                return False
             if any(getattr(tif, flag, False) for flag in _SLIDE_FLAGS):
                 return True
-            series = tif.series[0]
             return bool(series.is_pyramidal and len(series.levels) > 1 and tif.pages.first.is_tiled)
     except Exception:  # noqa: BLE001 - not a readable TIFF: not a slide
         return False

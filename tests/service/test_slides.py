@@ -319,3 +319,33 @@ def test_thumbnail_of_a_level_thinner_than_the_block_is_its_mean(tmp_path):
         thumb = thumbnail(slide)
     assert thumb.shape == (1, 2000, 3)
     assert int(thumb.min()) == int(thumb.max()) == 200
+
+
+@pytest.mark.parametrize(("axes", "dtype"), [("CYX", np.uint8), ("YX", np.uint16), ("YXS", np.uint16)])
+def test_a_pyramid_the_slide_readers_cannot_read_is_read_as_any_tiff(tmp_path, axes, dtype):
+    """Review item 3: a channel-first (``CYX``, 2 x 1024 x 768) or 16-bit OME-TIFF pyramid was
+    taken for an RGB slide (read(0, 100, 110, 200, 220) gave shape (0, 20, 3), uint16 passed as
+    uint8); it is now no slide, and the TIFF probe reports its real channels and dtype."""
+    import tifffile
+
+    from service.codecs import probe
+    from service.slides import is_slide_tiff
+
+    rng = np.random.default_rng(0)
+    shape = {"CYX": (2, 1024, 768), "YX": (1024, 768), "YXS": (1024, 768, 3)}[axes]
+    image = rng.integers(0, 200, shape).astype(dtype)
+    path = tmp_path / "pyramid.ome.tif"
+    sub = (slice(None),) if axes == "CYX" else ()
+    photometric = "rgb" if axes == "YXS" else "minisblack"
+    with tifffile.TiffWriter(path, ome=True) as tw:
+        tw.write(image, tile=(256, 256), photometric=photometric, subifds=1, metadata={"axes": axes})
+        tw.write(image[(*sub, slice(None, None, 2), slice(None, None, 2))], tile=(256, 256),
+                 photometric=photometric, subfiletype=1)  # fmt: skip
+    with tifffile.TiffFile(path) as tif:  # the oracle: tifffile sees a two-level pyramid
+        assert tif.series[0].axes == axes and len(tif.series[0].levels) == 2
+    assert not is_slide_tiff(path)
+    assert probe_slide(path) is None
+    header = probe(path)
+    assert not header.info.get("slide")
+    assert header.dtype == np.dtype(dtype)
+    assert header.channels == {"CYX": 2, "YX": 1, "YXS": 3}[axes]
