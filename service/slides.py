@@ -16,7 +16,9 @@ Resolution (:func:`choose_resolution`). The spec's ``mpp`` (microns per pixel th
 trained at) or the request's ``mpp`` picks the nearest level at or finer than the target, resampled
 per region to it (bilinear on pixel centres: output pixel ``i`` samples the level at
 ``(i + 0.5) * f - 0.5``, ``f = target / level mpp``, the same value whichever region asks, so tiled
-reads equal one whole read; ``f = 2`` is the 2x2 box mean); ``level`` reads a level as it is.
+reads equal one whole read; ``f = 2`` is the 2x2 box mean); ``level`` reads a level as it is. A
+target finer than half the slide's level-0 mpp (:data:`MIN_MPP_RATIO`) is refused (422), so the
+read shape is at most twice level 0 per side; the output's disk estimate is of that shape.
 A slide whose mpp is missing or implausible (outside :data:`MPP_RANGE`: a 72 dpi resolution tag
 read as 352.8 um/px) is never guessed: a model with an ``mpp`` then needs ``level=N``.
 
@@ -40,6 +42,7 @@ from service.errors import UnusableInputError
 from service.regions import RegionSource
 
 __all__ = [
+    "MIN_MPP_RATIO",
     "MPP_RANGE",
     "Resolution",
     "SlideInfo",
@@ -53,6 +56,7 @@ __all__ = [
     "open_slide_source",
     "probe_dicom_wsi",
     "probe_slide",
+    "read_header",
     "resolution_of",
     "slide_fields",
     "slide_info",
@@ -66,6 +70,9 @@ logger = logging.getLogger(__name__)
 MPP_RANGE = (0.02, 20.0)
 #: A level whose mpp is within this relative difference of the target is read as it is.
 MPP_SAME = 0.01
+#: The finest target mpp a slide is read at, as a share of its level-0 mpp (an upsampling by 2
+#: at most: a target of 1e-6 um/px would make a slide of 1e10 x 1e10 pixels).
+MIN_MPP_RATIO = 0.5
 #: A mask pixel further than this from the glass's colour (any channel, 0-255) is tissue.
 GLASS_TOLERANCE = 10.0
 #: The tissue mask is made on at most this many pixels per side.
@@ -156,6 +163,18 @@ def resolution_of(header: Any, spec: Any, params: Any) -> Resolution | None:
         return None
     spec_mpp = None if getattr(spec, "mpp", None) is None else float(spec.mpp[1])
     return choose_resolution(info, spec_mpp, params.mpp, params.level)
+
+
+def read_header(header: Any, spec: Any, params: Any) -> Any:
+    """``header`` with the spatial shape a request reads (:func:`resolution_of`: the level and
+    resampling asked) for a slide, as the output and its disk estimate have it; ``header`` as it is
+    for any other input."""
+    import dataclasses
+
+    resolution = resolution_of(header, spec, params)
+    if resolution is None or tuple(resolution.shape) == tuple(header.spatial_shape):
+        return header
+    return dataclasses.replace(header, spatial_shape=tuple(resolution.shape))
 
 
 def whole_slide_check(header: Any, spec: Any, params: Any, reason: str | None) -> bool:
@@ -450,7 +469,8 @@ def choose_resolution(info: SlideInfo, spec_mpp: float | None, mpp: Any, level: 
 
     Raises:
         UnusableInputError: a level the slide lacks; a target mpp on a slide without a plausible
-            one (the message says to give ``level``).
+            one (the message says to give ``level``); a target finer than :data:`MIN_MPP_RATIO`
+            times the slide's level-0 mpp (the read shape is thus at most twice level 0 per side).
     """
     if level is not None:
         if not 0 <= level < len(info.levels):
@@ -466,6 +486,13 @@ def choose_resolution(info: SlideInfo, spec_mpp: float | None, mpp: Any, level: 
         raise UnusableInputError(
             f"{info.mpp_note}; {why} mpp {target:g} um/px cannot be matched without guessing: give level=N "
             f"(levels: {', '.join(f'{k}: {w}x{h}' for k, (w, h, _) in enumerate(info.levels))})"
+        )
+    if not math.isfinite(target) or target < info.mpp * MIN_MPP_RATIO:
+        why = "the model's" if mpp is None or str(mpp) == "model" else "the requested"
+        raise UnusableInputError(
+            f"{why} mpp {target:g} um/px is finer than this slide holds: level 0 is {info.mpp:g} um/px, "
+            f"and a slide is upsampled at most {1 / MIN_MPP_RATIO:g}x (mpp >= {info.mpp * MIN_MPP_RATIO:g}); "
+            "ask for a coarser mpp or a level"
         )
     fine = [k for k, (_, _, d) in enumerate(info.levels) if info.mpp * d <= target * (1 + MPP_SAME)]
     k = max(fine, key=lambda j: info.levels[j][2]) if fine else 0

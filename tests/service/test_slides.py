@@ -349,3 +349,40 @@ def test_a_pyramid_the_slide_readers_cannot_read_is_read_as_any_tiff(tmp_path, a
     assert not header.info.get("slide")
     assert header.dtype == np.dtype(dtype)
     assert header.channels == {"CYX": 2, "YX": 1, "YXS": 3}[axes]
+
+
+def test_a_target_mpp_finer_than_the_slide_is_refused(slides, tmp_path):
+    """Review item 1: mpp=1e-6 on a 100000 x 80000 slide of 0.25 um/px made a read shape of
+    2.5e10 x 2e10 (and 0.0125 one of 2M x 1.6M) that hung the dry run; both are now 422 at once,
+    through the request and the dry run; half the slide's mpp (2x upsampling) is still read."""
+    from service.app import create_app
+    from service.settings import Settings
+
+    info = SlideInfo("tiffslide", "aperio", ((100_000, 80_000, 1.0), (25_000, 20_000, 4.0)), 0.25)
+    for mpp in (1e-6, 0.0125, 0.12, float("nan")):
+        with pytest.raises(UnusableInputError, match="finer than this slide holds|mpp"):
+            choose_resolution(info, None, mpp, None)
+    with pytest.raises(UnusableInputError, match="the model's mpp 1e-06"):
+        choose_resolution(info, 1e-6, None, None)
+    assert choose_resolution(info, None, 0.125, None).shape == (160_000, 200_000)
+    (tmp_path / "models").mkdir()
+    settings = Settings(_env_file=None, models_dir=tmp_path / "models", tmp_dir=tmp_path, device="cpu",
+                        warmup=False)  # fmt: skip
+    body = slides["ome"].read_bytes()
+    with InProcessClient(create_app(settings)) as client:
+        for query in ("dry_run=true&mpp=0.000001", "mpp=0.000001", "mpp=0.0125"):
+            response = client.post(f"/v1/models/gaussian-2d/infer?{query}", content=body)
+            assert response.status_code == 422, response.text
+            assert "finer than this slide holds" in response.text
+
+
+def test_the_disk_estimate_of_a_slide_is_the_level_read(slides):
+    """Review item 1: the output's disk estimate used level 0's shape whatever level was read."""
+    from service.codecs import probe
+    from service.slides import read_header
+
+    header = probe(slides["ome"])
+    spec = ModelRepository(None, device="cpu").get("gaussian-2d").spec
+    level2 = read_header(header, spec, parse_params({"level": "2"}))
+    assert tuple(level2.spatial_shape) == (SHAPE[0] // 4, SHAPE[1] // 4)
+    assert read_header(header, spec, parse_params({})) is header
