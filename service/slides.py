@@ -550,6 +550,22 @@ class TissueMask:
             ty, tx = np.unravel_index(int(np.argmax(dist)), dist.shape)
             self.far = ((ty + 0.5) / self.thumb_shape[0], (tx + 0.5) / self.thumb_shape[1])
 
+    def background_grid(self, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
+        """:meth:`background` of every box ``ys[i] x xs[j]`` (``ys``: ``(n, 2)`` rows ``[y0, y1)``,
+        ``xs``: ``(m, 2)``) at once: ``(n, m)`` bool."""
+        (H, W), (h, w) = self.out_shape, self.thumb_shape
+
+        def thumb_span(spans: np.ndarray, n_out: int, n_thumb: int) -> tuple[np.ndarray, np.ndarray]:
+            a = np.clip(spans[:, 0], 0, None) * n_thumb // n_out  # floor, integer exact
+            b = -(-np.minimum(spans[:, 1], n_out) * n_thumb // n_out)  # ceil
+            return a, np.maximum(b, a + 1)
+
+        ty0, ty1 = thumb_span(np.asarray(ys, np.int64).reshape(-1, 2), H, h)
+        tx0, tx1 = thumb_span(np.asarray(xs, np.int64).reshape(-1, 2), W, w)
+        s = self._sum
+        total = s[ty1[:, None], tx1[None]] - s[ty0[:, None], tx1[None]] - s[ty1[:, None], tx0[None]]
+        return (total + s[ty0[:, None], tx0[None]]) == 0
+
     def background(self, y0: int, y1: int, x0: int, x1: int) -> bool:
         """Whether the region ``[y0, y1) x [x0, x1)`` (out pixels, clipped to the image) has no tissue."""
         H, W = self.out_shape
@@ -667,12 +683,8 @@ def open_slide_regions(path: Path, info: SlideInfo, resolution: Resolution, mask
 
 
 def background_tiles(grid: Any, mask: TissueMask) -> list[bool]:
-    """Per tile of ``grid`` (C order): whether its whole read region (halo included) lies outside
-    the tissue."""
-    from tiling.reuse import read_box
-
-    flags = []
-    for tile in grid.tiles():
-        (y0, x0), (y1, x1) = read_box(grid, tile)
-        flags.append(mask.background(y0, y1, x0, x1))
-    return flags
+    """Per tile of ``grid`` (C order): whether its whole read region (halo and padding included,
+    as :func:`tiling.reuse.read_box` gives it) lies outside the tissue; ``grid`` is 2D ``(H, W)``.
+    One integral-image look-up per tile, vectorized: a million tiles cost milliseconds."""
+    spans = [np.array([(s - a.pad_lo, s - a.pad_lo + a.tile) for s in a.starts], np.int64) for a in grid.axes]
+    return mask.background_grid(spans[0], spans[1]).ravel().tolist()

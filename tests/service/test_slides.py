@@ -386,3 +386,24 @@ def test_the_disk_estimate_of_a_slide_is_the_level_read(slides):
     level2 = read_header(header, spec, parse_params({"level": "2"}))
     assert tuple(level2.spatial_shape) == (SHAPE[0] // 4, SHAPE[1] // 4)
     assert read_header(header, spec, parse_params({})) is header
+
+
+@pytest.mark.parametrize("border", ["clip", "pad"])
+def test_background_tiles_of_a_grid_equal_the_per_tile_mask(slides, border):
+    """Review item 1: ``background_tiles`` looped in Python over every tile (dry run and prepare);
+    vectorized, it equals the mask's own per-region answer on every tile of a halo'd grid."""
+    from service.slides import background_tiles, open_slide_regions
+    from tiling.grid import TileGrid
+    from tiling.reuse import read_box
+
+    info = probe_slide(slides["svs"])
+    resolution = choose_resolution(info, None, 0.37, None)  # resampled: odd shape
+    with closing(open_slide_regions(slides["svs"], info, resolution, mask=True)) as regions:
+        mask = regions.mask
+        grid = TileGrid.plan(resolution.shape, (96, 160), halo=(13, 7), border=border)
+        want = []
+        for tile in grid.tiles():
+            (y0, x0), (y1, x1) = read_box(grid, tile)
+            want.append(mask.background(y0, y1, x0, x1))
+    assert 0 < sum(want) < len(want)
+    assert background_tiles(grid, mask) == want
