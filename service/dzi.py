@@ -19,9 +19,12 @@ the input, NEAREST for an overlay, so label ids never mix). When even the coarse
 need more than :data:`MAX_READ_PIXELS` for one tile (a flat TIFF seen from afar), an overview
 (``coarsest[::f, ::f]``, at most :data:`OVERVIEW_EDGE` a side) is made once, band by band (memory
 ``f`` rows of the coarsest level), and kept beside the file; it then serves as one more level.
-So a request costs at most :data:`MAX_READ_PIXELS` decoded pixels, except the one that builds an
-overview (one pass over the coarsest level, bounded memory). PNG and JPEG are one compressed
-stream: they are decoded whole (within Pillow's decompression-bomb limit).
+Where the file's next level is far coarser than the one a tile would read (a big gap between
+levels), the coarser one is read and upsampled rather than more than :data:`MAX_READ_PIXELS` of the
+finer one. So a request costs at most :data:`MAX_READ_PIXELS` decoded pixels, except the one that
+builds an overview (one pass over the coarsest level, memory one band; a lock per file). PNG and
+JPEG are one compressed stream: they are decoded whole (within Pillow's decompression-bomb limit),
+once for all their tiles (:func:`opened` keeps the last few files open).
 
 Pictures: the input as JPEG (RGB; grey or non-8-bit data stretched over the coarsest level's
 range); the result as RGBA PNG coloured like the page's legend: labels in
@@ -34,6 +37,9 @@ from __future__ import annotations
 import io
 import math
 import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -57,6 +63,7 @@ __all__ = [
     "dzi_xml",
     "encode_tile",
     "open_pyramid",
+    "opened",
     "render_tile",
 ]
 
@@ -67,10 +74,22 @@ OVERLAP = 1
 MAX_READ_PIXELS = 4096 * 4096
 #: Longest side of an overview (pixels).
 OVERVIEW_EDGE = 1024
+#: Open pyramids kept between requests (:func:`opened`).
+OPEN_PYRAMIDS = 8
 #: Probabilities below this share of the range are not drawn (as ``RAMP_THRESHOLD`` in palette.js).
 RAMP_THRESHOLD = 0.1
 _OVERVIEW_SUFFIX = ".dzi-overview.npy"
-_LOCK = threading.Lock()
+_LOCKS_GUARD = threading.Lock()
+_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _overview_lock(path: Path) -> threading.Lock:
+    """The lock of one overview file (one build at a time per file, never across files)."""
+    with _LOCKS_GUARD:
+        if len(_LOCKS) > 256:  # forget the unheld ones (files of expired jobs)
+            for key in [k for k, lock in _LOCKS.items() if not lock.locked()]:
+                del _LOCKS[key]
+        return _LOCKS.setdefault(str(path), threading.Lock())
 
 
 def _ramp() -> np.ndarray:
@@ -273,16 +292,18 @@ class _WithOverview(Pyramid):
         self.dtype = inner.dtype
         cw, ch = inner.levels[-1]
         f = max(1, -(-max(cw, ch) // OVERVIEW_EDGE))
-        with _LOCK:
-            if not path.is_file():
-                bands = []
-                band_rows = f * max(1, (1 << 22) // max(1, cw * f))  # ~4 Mpixel per band read
-                for y in range(0, ch, band_rows):
-                    band = inner.read(len(inner.levels) - 1, 0, y, cw, min(ch, y + band_rows))
-                    bands.append(band[::f, ::f])
-                partial = path.with_name(path.name + ".partial.npy")
-                np.save(partial, np.concatenate(bands, axis=0))
-                partial.replace(path)
+        if not path.is_file():  # built once; other files' requests never wait for it
+            with _overview_lock(path):
+                if not path.is_file():
+                    bands = []
+                    band_rows = f * max(1, (1 << 22) // max(1, cw * f))  # ~4 Mpixel per band read
+                    for y in range(0, ch, band_rows):
+                        band = inner.read(len(inner.levels) - 1, 0, y, cw, min(ch, y + band_rows))
+                        bands.append(band[::f, ::f].copy())  # not a view: the band is let go
+                        del band
+                    partial = path.with_name(path.name + ".partial.npy")
+                    np.save(partial, np.concatenate(bands, axis=0))
+                    partial.replace(path)
         self.overview = np.load(path, mmap_mode="r")
         self.levels = [*inner.levels, (int(self.overview.shape[1]), int(self.overview.shape[0]))]
 
@@ -323,22 +344,82 @@ def open_pyramid(path: Path) -> Pyramid:
     return pyramid
 
 
+class _Open:
+    """One cached pyramid: its reads are serialized (one file handle); ``closed`` once evicted."""
+
+    def __init__(self, pyramid: Pyramid) -> None:
+        self.pyramid, self.lock, self.closed = pyramid, threading.Lock(), False
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                self.pyramid.close()
+
+
+_OPEN: OrderedDict[tuple[str, int, int], _Open] = OrderedDict()
+_OPEN_GUARD = threading.Lock()
+
+
+@contextmanager
+def opened(path: Path) -> Iterator[Pyramid]:
+    """:func:`open_pyramid` of ``path`` kept open between requests: the last :data:`OPEN_PYRAMIDS`
+    files, keyed by path, mtime and size (a rewritten file is opened anew), so a tile request
+    neither re-parses a TIFF nor re-decodes a PNG or JPEG. Reads of one file are serialized while
+    the context is held; entries of deleted files are closed on the next call.
+
+    Raises:
+        UnsupportedMediaTypeError: as :func:`open_pyramid`.
+    """
+    while True:
+        stat = path.stat() if path.is_file() else None
+        key = (str(path), 0 if stat is None else stat.st_mtime_ns, 0 if stat is None else stat.st_size)
+        with _OPEN_GUARD:
+            entry = _OPEN.get(key)
+            if entry is not None:
+                _OPEN.move_to_end(key)
+            gone = [k for k in _OPEN if k != key and not Path(k[0]).is_file()]
+            stale = [_OPEN.pop(k) for k in gone]
+        for old in stale:
+            old.close()
+        if entry is None:
+            fresh = _Open(open_pyramid(path))
+            with _OPEN_GUARD:
+                entry = _OPEN.setdefault(key, fresh)
+                evicted = [_OPEN.popitem(last=False)[1] for _ in range(max(0, len(_OPEN) - OPEN_PYRAMIDS))]
+            if entry is not fresh:
+                fresh.close()
+            for old in evicted:
+                old.close()
+        with entry.lock:
+            if not entry.closed:
+                yield entry.pyramid
+                return
+        # evicted between the look-up and the lock: open it again
+
+
 def source_box(pyramid: Pyramid, box: TileBox) -> tuple[int, int, int, int, int]:
-    """``(k, kx0, ky0, kx1, ky1)``: the level ``k`` (largest downsample <= the tile's) and the
-    box of it under ``box``."""
+    """``(k, kx0, ky0, kx1, ky1)``: the level ``k`` (largest downsample <= the tile's; the next
+    coarser one whose box fits :data:`MAX_READ_PIXELS` when that box is larger) and the box of it
+    under ``box``."""
     w0, h0 = pyramid.levels[0]
     d = box.downsample
     k = 0
     for j, (w, h) in enumerate(pyramid.levels):
         if w0 / w <= d + 1e-9 and h0 / h <= d + 1e-9:
             k = j
-    w, h = pyramid.levels[k]
-    sx, sy = w0 / w, h0 / h
     gx0, gy0 = box.x0 * d, box.y0 * d
     gx1, gy1 = min(w0, box.x1 * d), min(h0, box.y1 * d)
-    kx0, ky0 = min(w - 1, math.floor(gx0 / sx)), min(h - 1, math.floor(gy0 / sy))
-    kx1, ky1 = max(kx0 + 1, min(w, math.ceil(gx1 / sx))), max(ky0 + 1, min(h, math.ceil(gy1 / sy)))
-    return k, kx0, ky0, kx1, ky1
+    while True:
+        w, h = pyramid.levels[k]
+        sx, sy = w0 / w, h0 / h
+        kx0, ky0 = min(w - 1, math.floor(gx0 / sx)), min(h - 1, math.floor(gy0 / sy))
+        kx1, ky1 = max(kx0 + 1, min(w, math.ceil(gx1 / sx))), max(ky0 + 1, min(h, math.ceil(gy1 / sy)))
+        # a file whose next level is far coarser (a big gap): the coarser one, upsampled, rather
+        # than more than MAX_READ_PIXELS of this one
+        if (kx1 - kx0) * (ky1 - ky0) <= MAX_READ_PIXELS or k == len(pyramid.levels) - 1:
+            return k, kx0, ky0, kx1, ky1
+        k += 1
 
 
 @lru_cache(maxsize=32)

@@ -175,7 +175,10 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
         gzipped = header.kind == "nifti" and sniff(source).gzipped
         fmt = output_format(header.kind, spec, params)
         dtype = output_dtype(params, labels, int(spec.out_channels))
-        check_disk(source.parent, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped, dtype))
+        from service.slides import read_header
+
+        out = read_header(header, spec, params.merged(spec.defaults))  # a slide: the level read
+        check_disk(source.parent, disk_bytes(out, fmt, int(spec.out_channels), labels, gzipped, dtype))
     if limits.budget is None:
         check_model_grid(
             spec, header, model_shape(spec, header, params), params, limits, streamed=streams(header)

@@ -5,17 +5,20 @@ Shapes: ``(C, H, W)`` channel-first (``C = 3``, RGB), ``H, W`` at the level read
 
 A TIFF is a *slide* by content, not by name: tifffile flags it as a slide format (SVS, NDPI, SCN,
 Philips, BIF, QPI) or it is tiled with several pyramid levels (SubIFDs of an OME-TIFF, or
-reduced-resolution pages of a generic tiled TIFF). The reader is chosen per file and named in the
-plan: ``tiffslide`` (the TIFF family; BSD, pure Python on tifffile), else ``tifffile`` (its own
-pyramid levels, when the ``slides`` extra is absent), and ``openslide`` (extra ``openslide``) for
-what no TIFF reader opens (DICOM-WSI, MRXS). Regions are read lazily through the level's zarr
-store (only the tiles a region touches are decoded); nothing decodes a whole level.
+reduced-resolution pages of a generic tiled TIFF), and its pixels are 8-bit ``YX`` or ``YXS``.
+The reader is chosen per file and named in the plan: ``tiffslide`` (the TIFF family; BSD, pure
+Python on tifffile), else ``tifffile`` (its own pyramid levels, when the ``slides`` extra is
+absent), and ``openslide`` (extra ``openslide``) for what no TIFF reader opens (DICOM-WSI, MRXS).
+Regions are read lazily through the level's zarr store (only the tiles a region touches are
+decoded); nothing decodes a whole level.
 
 Resolution (:func:`choose_resolution`). The spec's ``mpp`` (microns per pixel the network was
 trained at) or the request's ``mpp`` picks the nearest level at or finer than the target, resampled
 per region to it (bilinear on pixel centres: output pixel ``i`` samples the level at
 ``(i + 0.5) * f - 0.5``, ``f = target / level mpp``, the same value whichever region asks, so tiled
-reads equal one whole read; ``f = 2`` is the 2x2 box mean); ``level`` reads a level as it is.
+reads equal one whole read; ``f = 2`` is the 2x2 box mean); ``level`` reads a level as it is. A
+target finer than half the slide's level-0 mpp (:data:`MIN_MPP_RATIO`) is refused (422), so the
+read shape is at most twice level 0 per side; the output's disk estimate is of that shape.
 A slide whose mpp is missing or implausible (outside :data:`MPP_RANGE`: a 72 dpi resolution tag
 read as 352.8 um/px) is never guessed: a model with an ``mpp`` then needs ``level=N``.
 
@@ -39,6 +42,7 @@ from service.errors import UnusableInputError
 from service.regions import RegionSource
 
 __all__ = [
+    "MIN_MPP_RATIO",
     "MPP_RANGE",
     "Resolution",
     "SlideInfo",
@@ -52,6 +56,7 @@ __all__ = [
     "open_slide_source",
     "probe_dicom_wsi",
     "probe_slide",
+    "read_header",
     "resolution_of",
     "slide_fields",
     "slide_info",
@@ -65,6 +70,9 @@ logger = logging.getLogger(__name__)
 MPP_RANGE = (0.02, 20.0)
 #: A level whose mpp is within this relative difference of the target is read as it is.
 MPP_SAME = 0.01
+#: The finest target mpp a slide is read at, as a share of its level-0 mpp (an upsampling by 2
+#: at most: a target of 1e-6 um/px would make a slide of 1e10 x 1e10 pixels).
+MIN_MPP_RATIO = 0.5
 #: A mask pixel further than this from the glass's colour (any channel, 0-255) is tissue.
 GLASS_TOLERANCE = 10.0
 #: The tissue mask is made on at most this many pixels per side.
@@ -157,6 +165,18 @@ def resolution_of(header: Any, spec: Any, params: Any) -> Resolution | None:
     return choose_resolution(info, spec_mpp, params.mpp, params.level)
 
 
+def read_header(header: Any, spec: Any, params: Any) -> Any:
+    """``header`` with the spatial shape a request reads (:func:`resolution_of`: the level and
+    resampling asked) for a slide, as the output and its disk estimate have it; ``header`` as it is
+    for any other input."""
+    import dataclasses
+
+    resolution = resolution_of(header, spec, params)
+    if resolution is None or tuple(resolution.shape) == tuple(header.spatial_shape):
+        return header
+    return dataclasses.replace(header, spatial_shape=tuple(resolution.shape))
+
+
 def whole_slide_check(header: Any, spec: Any, params: Any, reason: str | None) -> bool:
     """Whether ``header`` is a slide; one that cannot be streamed (``reason``) is decoded whole at
     level 0 only, so a request for another level or mpp is refused.
@@ -246,15 +266,19 @@ def _plausible(mpp: Any, source: str) -> tuple[float | None, str | None]:
 
 
 def is_slide_tiff(path: Path) -> bool:
-    """Whether the TIFF at ``path`` is a slide (see the module docstring); ``False`` for any file
+    """Whether the TIFF at ``path`` is a slide (see the module docstring): its first series also
+    has axes ``YX`` or ``YXS`` and dtype uint8, what the slide readers return (a channel-first
+    ``CYX`` or a 16-bit fluorescence pyramid is read as any other TIFF); ``False`` for any file
     tifffile cannot open."""
     import tifffile
 
     try:
         with tifffile.TiffFile(path) as tif:
+            series = tif.series[0]
+            if series.axes not in ("YX", "YXS") or np.dtype(series.dtype) != np.uint8:
+                return False
             if any(getattr(tif, flag, False) for flag in _SLIDE_FLAGS):
                 return True
-            series = tif.series[0]
             return bool(series.is_pyramidal and len(series.levels) > 1 and tif.pages.first.is_tiled)
     except Exception:  # noqa: BLE001 - not a readable TIFF: not a slide
         return False
@@ -445,7 +469,8 @@ def choose_resolution(info: SlideInfo, spec_mpp: float | None, mpp: Any, level: 
 
     Raises:
         UnusableInputError: a level the slide lacks; a target mpp on a slide without a plausible
-            one (the message says to give ``level``).
+            one (the message says to give ``level``); a target finer than :data:`MIN_MPP_RATIO`
+            times the slide's level-0 mpp (the read shape is thus at most twice level 0 per side).
     """
     if level is not None:
         if not 0 <= level < len(info.levels):
@@ -461,6 +486,13 @@ def choose_resolution(info: SlideInfo, spec_mpp: float | None, mpp: Any, level: 
         raise UnusableInputError(
             f"{info.mpp_note}; {why} mpp {target:g} um/px cannot be matched without guessing: give level=N "
             f"(levels: {', '.join(f'{k}: {w}x{h}' for k, (w, h, _) in enumerate(info.levels))})"
+        )
+    if not math.isfinite(target) or target < info.mpp * MIN_MPP_RATIO:
+        why = "the model's" if mpp is None or str(mpp) == "model" else "the requested"
+        raise UnusableInputError(
+            f"{why} mpp {target:g} um/px is finer than this slide holds: level 0 is {info.mpp:g} um/px, "
+            f"and a slide is upsampled at most {1 / MIN_MPP_RATIO:g}x (mpp >= {info.mpp * MIN_MPP_RATIO:g}); "
+            "ask for a coarser mpp or a level"
         )
     fine = [k for k, (_, _, d) in enumerate(info.levels) if info.mpp * d <= target * (1 + MPP_SAME)]
     k = max(fine, key=lambda j: info.levels[j][2]) if fine else 0
@@ -518,6 +550,22 @@ class TissueMask:
             ty, tx = np.unravel_index(int(np.argmax(dist)), dist.shape)
             self.far = ((ty + 0.5) / self.thumb_shape[0], (tx + 0.5) / self.thumb_shape[1])
 
+    def background_grid(self, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
+        """:meth:`background` of every box ``ys[i] x xs[j]`` (``ys``: ``(n, 2)`` rows ``[y0, y1)``,
+        ``xs``: ``(m, 2)``) at once: ``(n, m)`` bool."""
+        (H, W), (h, w) = self.out_shape, self.thumb_shape
+
+        def thumb_span(spans: np.ndarray, n_out: int, n_thumb: int) -> tuple[np.ndarray, np.ndarray]:
+            a = np.clip(spans[:, 0], 0, None) * n_thumb // n_out  # floor, integer exact
+            b = -(-np.minimum(spans[:, 1], n_out) * n_thumb // n_out)  # ceil
+            return a, np.maximum(b, a + 1)
+
+        ty0, ty1 = thumb_span(np.asarray(ys, np.int64).reshape(-1, 2), H, h)
+        tx0, tx1 = thumb_span(np.asarray(xs, np.int64).reshape(-1, 2), W, w)
+        s = self._sum
+        total = s[ty1[:, None], tx1[None]] - s[ty0[:, None], tx1[None]] - s[ty1[:, None], tx0[None]]
+        return (total + s[ty0[:, None], tx0[None]]) == 0
+
     def background(self, y0: int, y1: int, x0: int, x1: int) -> bool:
         """Whether the region ``[y0, y1) x [x0, x1)`` (out pixels, clipped to the image) has no tissue."""
         H, W = self.out_shape
@@ -531,19 +579,25 @@ class TissueMask:
 
 def thumbnail(slide: _Slide, max_side: int = MASK_SIDE) -> np.ndarray:
     """The whole slide as ``(h, w, 3)`` uint8 with ``max(h, w) <= max_side``: the coarsest level,
-    read in row strips and block-averaged by an integer factor when it is still larger."""
+    read in row strips and block-averaged by an integer factor ``k`` when it is still larger
+    (``h = ceil(H / k)``: the last block of each axis is ragged, averaged over what it holds, so a
+    level thinner than ``k`` still gives one row)."""
     level = len(slide.info.levels) - 1
     H, W = slide.level_shape(level)
     k = max(1, math.ceil(max(H, W) / max_side))
-    h, w = H // k or 1, W // k or 1
-    out = np.empty((h, w, 3), np.uint8)
+    h, w = -(-H // k), -(-W // k)
+    out = np.zeros((h, w, 3), np.uint8)
     rows = max(k, (16 << 20) // max(W * 3, 1) // k * k)
-    for y in range(0, h * k, rows):
-        block = slide.read(level, y, min(y + rows, h * k), 0, w * k).astype(np.float32)
-        n = block.shape[0] // k
+    cols = np.arange(0, W, k)
+    col_n = np.diff(np.append(cols, W)).astype(np.float32)
+    for y in range(0, H, rows):
+        block = slide.read(level, y, min(y + rows, H), 0, W).astype(np.float32)
+        starts = np.arange(0, block.shape[0], k)
         if k > 1:
-            block = block[: n * k].reshape(n, k, w, k, 3).mean(axis=(1, 3))
-        out[y // k : y // k + n] = np.round(block[:n]).astype(np.uint8)
+            row_n = np.diff(np.append(starts, block.shape[0])).astype(np.float32)
+            sums = np.add.reduceat(np.add.reduceat(block, starts, axis=0), cols, axis=1)
+            block = sums / (row_n[:, None, None] * col_n[None, :, None])
+        out[y // k : y // k + len(starts)] = np.round(block).astype(np.uint8)
     return out
 
 
@@ -629,12 +683,8 @@ def open_slide_regions(path: Path, info: SlideInfo, resolution: Resolution, mask
 
 
 def background_tiles(grid: Any, mask: TissueMask) -> list[bool]:
-    """Per tile of ``grid`` (C order): whether its whole read region (halo included) lies outside
-    the tissue."""
-    from tiling.reuse import read_box
-
-    flags = []
-    for tile in grid.tiles():
-        (y0, x0), (y1, x1) = read_box(grid, tile)
-        flags.append(mask.background(y0, y1, x0, x1))
-    return flags
+    """Per tile of ``grid`` (C order): whether its whole read region (halo and padding included,
+    as :func:`tiling.reuse.read_box` gives it) lies outside the tissue; ``grid`` is 2D ``(H, W)``.
+    One integral-image look-up per tile, vectorized: a million tiles cost milliseconds."""
+    spans = [np.array([(s - a.pad_lo, s - a.pad_lo + a.tile) for s in a.starts], np.int64) for a in grid.axes]
+    return mask.background_grid(spans[0], spans[1]).ravel().tolist()

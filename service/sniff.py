@@ -27,10 +27,12 @@ and reports the server's error.
 from __future__ import annotations
 
 import logging
+import re
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = [
     "DICOM_ADVICE",
@@ -181,16 +183,23 @@ def _gunzip_head(path: str | Path) -> tuple[bytes, bool]:
 
 #: What :func:`slide_kind` tells apart, from the first IFD of a TIFF.
 SLIDE_KINDS = ("svs", "ndpi", "ome-tiff", "tiled-tiff")
-_TAG_DESCRIPTION, _TAG_TILE_WIDTH, _TAG_NDPI = 270, 322, 65420
+_TAG_SUBFILE, _TAG_BITS, _TAG_DESCRIPTION, _TAG_SPP = 254, 258, 270, 277
+_TAG_TILE_WIDTH, _TAG_SUBIFDS, _TAG_SAMPLE_FORMAT, _TAG_NDPI = 322, 330, 339, 65420
 _IFD_MAX_ENTRIES = 4096
+_OME_SIZES = re.compile(rb"<(?:\w+:)?Pixels\b[^>]*>", re.S)
 
 
 def slide_kind(path: str | Path) -> str | None:
-    """Which slide layout a TIFF is, from its first IFD (no decoding; a few hundred bytes read).
+    """Which slide layout a TIFF is, from its first IFD and the next one's subfile type (no
+    decoding; a few kilobytes read), by the rule the server reads slides by
+    (:func:`service.slides.is_slide_tiff`).
 
     ``svs`` (ImageDescription starts with ``Aperio``), ``ndpi`` (Hamamatsu's tag 65420),
-    ``ome-tiff`` (ImageDescription holds ``<OME``), ``tiled-tiff`` (TileWidth present: a
-    whole-slide layout read by region), else ``None`` (a flat TIFF, or not a TIFF).
+    ``ome-tiff`` (ImageDescription holds ``<OME``) or ``tiled-tiff`` (any other), each only when it
+    is a pyramid of 8-bit unsigned pixels (SVS and NDPI always): TileWidth present, several levels
+    (a SubIFDs tag, or a next IFD of reduced resolution, NewSubfileType bit 0), and for an OME-TIFF
+    one plane (SizeZ, SizeT 1; SizeC the samples per pixel: ``YX`` or ``YXS``); else ``None`` (a
+    flat or single-level TIFF, a channel-first or 16-bit pyramid, or not a TIFF).
 
     Raises:
         OSError: when the file cannot be read.
@@ -203,32 +212,78 @@ def slide_kind(path: str | Path) -> str | None:
         big = head[2:4] in (b"+\x00", b"\x00+")
         if len(head) < (16 if big else 8):
             return None
-        count_fmt, entry_size, value_fmt = ("Q", 20, "Q") if big else ("H", 12, "I")
         offset = struct.unpack(order + ("Q" if big else "I"), head[8:16] if big else head[4:8])[0]
-        fh.seek(offset)
-        raw = fh.read(8 if big else 2)
-        if len(raw) < (8 if big else 2):
+        tags, next_ifd = _read_ifd(fh, offset, order, big)
+        if tags is None:
             return None
-        (count,) = struct.unpack(order + count_fmt, raw)
-        entries = fh.read(min(count, _IFD_MAX_ENTRIES) * entry_size)
-        tags: dict[int, tuple[int, int, bytes]] = {}
-        for k in range(len(entries) // entry_size):
-            entry = entries[k * entry_size : (k + 1) * entry_size]
-            tag, _type = struct.unpack(order + "HH", entry[:4])
-            (n,) = struct.unpack(order + value_fmt, entry[4 : 12 if big else 8])
-            tags[tag] = (_type, n, entry[12:] if big else entry[8:])
         if _TAG_NDPI in tags:
             return "ndpi"
-        if _TAG_DESCRIPTION in tags:
-            _type, n, value = tags[_TAG_DESCRIPTION]
-            inline = 8 if big else 4
-            if n <= inline:
-                text = value[:n]
-            else:
-                fh.seek(struct.unpack(order + value_fmt, value[:inline])[0])
-                text = fh.read(min(n, 4096))
-            if text.startswith(b"Aperio"):
-                return "svs"
-            if b"<OME" in text:
-                return "ome-tiff"
-        return "tiled-tiff" if _TAG_TILE_WIDTH in tags else None
+        text = _value(fh, tags.get(_TAG_DESCRIPTION), order, big, 4096)
+        if text.startswith(b"Aperio"):
+            return "svs"
+        spp = _numbers(fh, tags.get(_TAG_SPP), order, big) or [1]
+        bits = _numbers(fh, tags.get(_TAG_BITS), order, big) or [1]
+        formats = _numbers(fh, tags.get(_TAG_SAMPLE_FORMAT), order, big) or [1]
+        if any(b != 8 for b in bits) or any(f != 1 for f in formats) or _TAG_TILE_WIDTH not in tags:
+            return None
+        ome = b"<OME" in text
+        if ome:
+            pixels = _OME_SIZES.search(text)
+            sizes = {k: int(v) for k, v in re.findall(rb'\b(Size[CZT])="(\d+)"', pixels[0])} if pixels else {}
+            if sizes.get(b"SizeZ", 1) > 1 or sizes.get(b"SizeT", 1) > 1 or sizes.get(b"SizeC", 1) > spp[0]:
+                return None
+        levels = _TAG_SUBIFDS in tags
+        if not levels and next_ifd:
+            following, _ = _read_ifd(fh, next_ifd, order, big)
+            subfile = _numbers(fh, (following or {}).get(_TAG_SUBFILE), order, big)
+            levels = bool(subfile and subfile[0] & 1)
+        if not levels:
+            return None
+        return "ome-tiff" if ome else "tiled-tiff"
+
+
+_Entry = tuple[int, int, bytes]
+_TYPES = {1: "B", 3: "H", 4: "I", 16: "Q", 13: "I", 18: "Q"}  # BYTE SHORT LONG LONG8 IFD IFD8
+
+
+def _read_ifd(fh: BinaryIO, offset: int, order: str, big: bool) -> tuple[dict[int, _Entry] | None, int]:
+    """The tags of the IFD at ``offset`` (``tag: (type, count, inline value)``) and the next IFD's offset."""
+    count_fmt, entry_size, value_fmt = ("Q", 20, "Q") if big else ("H", 12, "I")
+    fh.seek(offset)
+    raw = fh.read(8 if big else 2)
+    if len(raw) < (8 if big else 2):
+        return None, 0
+    (count,) = struct.unpack(order + count_fmt, raw)
+    entries = fh.read(min(count, _IFD_MAX_ENTRIES) * entry_size)
+    tags: dict[int, _Entry] = {}
+    for k in range(len(entries) // entry_size):
+        entry = entries[k * entry_size : (k + 1) * entry_size]
+        tag, _type = struct.unpack(order + "HH", entry[:4])
+        (n,) = struct.unpack(order + value_fmt, entry[4 : 12 if big else 8])
+        tags[tag] = (_type, n, entry[12:] if big else entry[8:])
+    tail = fh.read(8 if big else 4) if count <= _IFD_MAX_ENTRIES else b""
+    next_ifd = struct.unpack(order + value_fmt, tail)[0] if len(tail) == (8 if big else 4) else 0
+    return tags, next_ifd
+
+
+def _value(fh: BinaryIO, entry: _Entry | None, order: str, big: bool, limit: int, size: int = 1) -> bytes:
+    """The raw bytes of a tag's value (at most ``limit``; ``size`` bytes per item), inline or not."""
+    if entry is None:
+        return b""
+    _type, n, value = entry
+    inline = 8 if big else 4
+    nbytes = n * size
+    if nbytes <= inline:
+        return value[:nbytes]
+    fh.seek(struct.unpack(order + ("Q" if big else "I"), value[:inline])[0])
+    return fh.read(min(nbytes, limit))
+
+
+def _numbers(fh: BinaryIO, entry: _Entry | None, order: str, big: bool) -> list[int]:
+    """An integer tag's values (at most 64), ``[]`` when absent or not an integer type."""
+    if entry is None or entry[0] not in _TYPES:
+        return []
+    fmt = _TYPES[entry[0]]
+    size = struct.calcsize(fmt)
+    raw = _value(fh, (entry[0], min(entry[1], 64), entry[2]), order, big, 64 * size, size)
+    return list(struct.unpack(f"{order}{len(raw) // size}{fmt}", raw[: len(raw) // size * size]))

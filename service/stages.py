@@ -226,7 +226,10 @@ def prepare(
     gzipped = header.kind == "nifti" and sniff(source).gzipped
     folder = path.parent
     dtype = output_dtype(params, labels, int(spec.out_channels))
-    check_disk(folder, disk_bytes(header, fmt, int(spec.out_channels), labels, gzipped, dtype))
+    from service.slides import read_header
+
+    out = read_header(header, spec, p)  # a slide: the output has the shape of the level read
+    check_disk(folder, disk_bytes(out, fmt, int(spec.out_channels), labels, gzipped, dtype))
     tmp = tempfile.TemporaryDirectory(prefix=".tilewise-", dir=folder)
     workdir = Path(tmp.name)
     prepared: Prepared | None = None

@@ -161,22 +161,40 @@ def _output_2d(volume: DecodedVolume, array: np.ndarray, fmt: str) -> tuple[np.n
     return (planar[0] if labels else planar), labels
 
 
+def _input_2d(volume: DecodedVolume) -> tuple[int, ...]:
+    """The input's ``(H, W)`` (a single-slice NIfTI ``(X, Y, 1)`` squeezed, as its output is)."""
+    shape = list(volume.spatial_shape)
+    while len(shape) > 2 and shape[-1] == 1:
+        shape.pop()
+    return tuple(shape[-2:])
+
+
+def _output_mpp(volume: DecodedVolume, data: np.ndarray) -> tuple[float, float] | None:
+    """Microns per pixel ``(y, x)`` of a 2D output ``data`` (its last two axes): the input's mpp
+    (or dpi) times input pixels per output pixel, as the streamed writers have it (a model's
+    ``scale`` changes the pixel size); ``None`` when the input says none."""
+    from service.pyramid import output_mpp
+
+    return output_mpp(volume.info, _input_2d(volume), tuple(data.shape[-2:]))
+
+
 def encode_ome_tiff(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
     """Write a 2D output as a tiled pyramidal OME-TIFF (:func:`service.pyramid.write_ome_tiff`):
-    labels reduced by mode, values by mean; the input's mpp (or dpi) recorded."""
-    from service.pyramid import mpp_from_info, write_ome_tiff
+    labels reduced by mode, values by mean; the input's mpp (or dpi) recorded, scaled to the
+    output's pixels."""
+    from service.pyramid import write_ome_tiff
 
     data, labels = _output_2d(volume, array, "ome.tiff")
-    write_ome_tiff(data, path, labels=labels, mpp=mpp_from_info(volume.info), provenance=provenance)
+    write_ome_tiff(data, path, labels=labels, mpp=_output_mpp(volume, data), provenance=provenance)
 
 
 def encode_ome_zarr(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
-    """Write a 2D output as a zip of a multiscale OME-Zarr group (:func:`service.omezarr.write_ome_zarr`)."""
+    """Write a 2D output as a zip of a multiscale OME-Zarr group (:func:`service.omezarr.write_ome_zarr`),
+    the mpp as :func:`encode_ome_tiff` records it."""
     from service.omezarr import write_ome_zarr
-    from service.pyramid import mpp_from_info
 
     data, labels = _output_2d(volume, array, "ome.zarr")
-    write_ome_zarr(data, path, labels=labels, mpp=mpp_from_info(volume.info), provenance=provenance)
+    write_ome_zarr(data, path, labels=labels, mpp=_output_mpp(volume, data), provenance=provenance)
 
 
 def encode_geojson(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:
@@ -191,7 +209,9 @@ def encode_geojson(volume: DecodedVolume, array: np.ndarray, path: Path, provena
     if not labels:
         raise BadParameterError("format=geojson writes objects of a label output (add output=labels)")
     names = None if provenance is None else provenance.labels
-    write_geojson(data, path, names=names, provenance=provenance)
+    in_shape = _input_2d(volume)  # coordinates in input pixels, as the streamed writer gives them
+    scale = (in_shape[0] / data.shape[-2], in_shape[1] / data.shape[-1])
+    write_geojson(data, path, names=names, provenance=provenance, scale=scale)
 
 
 def encode_npy(volume: DecodedVolume, array: np.ndarray, path: Path, provenance: Any = None) -> None:  # noqa: ARG001

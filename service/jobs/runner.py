@@ -79,6 +79,19 @@ def sniff_file_safe(path: Path) -> str | None:
         return None
 
 
+def ended_leftovers(folder: Path, *, done: bool) -> list[Path]:
+    """The files an ended job's ``folder`` no longer needs: the partial output; the input (and any
+    deep-zoom overview made of it while queued or running, ``input*.dzi-overview*``) unless the job
+    is ``done`` with a 2D image (kept for its deep-zoom view); every ``output.*`` of a job not done."""
+    doomed = [folder / PARTIAL_FILE]
+    if not done or sniff_file_safe(folder / INPUT_FILE) not in _VIEWED_KINDS:
+        doomed.append(folder / INPUT_FILE)  # a done 2D image stays for its deep-zoom view
+        doomed += sorted(folder.glob(f"{INPUT_FILE}*.dzi-overview*"))
+    if not done:
+        doomed += sorted(folder.glob("output.*"))
+    return doomed
+
+
 #: Jobs in their prepare or finish stage (CPU work: decompressing, statistics, encoding) at once.
 CPU_STAGES = 2
 
@@ -393,12 +406,7 @@ class JobService:
                 headers=result_headers(record.model, result),
                 size_bytes=result.size_bytes,
             )
-        doomed = [folder / PARTIAL_FILE]
-        if state is not JobState.DONE or sniff_file_safe(folder / INPUT_FILE) not in _VIEWED_KINDS:
-            doomed.append(folder / INPUT_FILE)  # a done 2D image stays for its deep-zoom view
-        if state is not JobState.DONE:
-            doomed += [p for p in folder.glob("output.*")]
-        for path in doomed:
+        for path in ended_leftovers(folder, done=state is JobState.DONE):
             if path.is_dir():  # a DICOM series (several files, or pulled by DICOMweb)
                 shutil.rmtree(path, ignore_errors=True)
             else:

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from service.dzi import DeepZoom, display_window, dzi_xml, encode_tile, open_pyramid, render_tile
+from service.dzi import DeepZoom, display_window, dzi_xml, encode_tile, opened, render_tile
 from service.errors import BadParameterError, JobNotFoundError, JobStateError
 from service.jobs import JobState
 from service.jobs.store import INPUT_FILE
@@ -77,17 +77,14 @@ def _descriptor(
     """The XML and the headers that say how the tiles are drawn: ``X-Tilewise-Output`` (the
     result's kind) and, for probabilities, ``X-Tilewise-Range: LO,HI`` (the ramp's ends)."""
     path, kind = _file_of(service, job_id, principal, role)
-    pyramid = open_pyramid(path)
     headers = dict(_HEADERS)
-    try:
+    with opened(path) as pyramid:
         width, height = pyramid.levels[0]
         if role == "result":
             headers["X-Tilewise-Output"] = kind
             window = display_window(path, pyramid, role, kind)
             if window is not None:
                 headers["X-Tilewise-Range"] = f"{window[0]:.6g},{window[1]:.6g}"
-    finally:
-        pyramid.close()
     return dzi_xml(width, height, _FORMATS[role]), headers
 
 
@@ -101,8 +98,7 @@ def _tile(
     if not sep:
         raise BadParameterError(f"a tile is named {{col}}_{{row}}.{fmt}, got {name[:40]!r}")
     path, kind = _file_of(service, job_id, principal, role)
-    pyramid = open_pyramid(path)
-    try:
+    with opened(path) as pyramid:
         width, height = pyramid.levels[0]
         try:
             box = DeepZoom(width, height).box(level, col, row)
@@ -110,8 +106,6 @@ def _tile(
             tile = render_tile(pyramid, box, role=role, kind=kind, channel=channel, window=window)
         except LookupError as exc:
             raise HTTPException(404, str(exc)) from exc
-    finally:
-        pyramid.close()
     return encode_tile(tile, fmt)
 
 

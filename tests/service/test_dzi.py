@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -287,3 +288,106 @@ def test_a_volume_job_keeps_no_input_and_has_no_view(client: Any) -> None:
     assert not (client.jobs_dir / job_id / "input").exists()
     assert client.get(f"/v1/jobs/{job_id}/dzi/input.dzi", headers=_auth(ALICE)).status_code == 404
     assert client.get(f"/v1/jobs/{job_id}/dzi/result.dzi", headers=_auth(ALICE)).status_code == 415
+
+
+def _count_reads(pyramid: Any) -> list[int]:
+    """The pixels of every ``pyramid.read`` from now on (the real read, counted)."""
+    areas: list[int] = []
+    read = pyramid.read
+
+    def counted(level: int, x0: int, y0: int, x1: int, y1: int) -> np.ndarray:
+        areas.append((x1 - x0) * (y1 - y0))
+        return read(level, x0, y0, x1, y1)
+
+    pyramid.read = counted
+    return areas
+
+
+def test_a_big_gap_between_levels_never_reads_more_than_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review item 2: levels 2048^2 and 16^2 (a gap of 128): a tile at downsample 8 once read all
+    of level 0; it now reads the coarser level, every request within MAX_READ_PIXELS."""
+    from skimage import data
+
+    monkeypatch.setattr(dzi, "MAX_READ_PIXELS", 512 * 512)
+    image = np.ascontiguousarray(np.tile(data.camera(), (4, 4)))  # 2048 x 2048 grey
+    path = tmp_path / "gap.tif"
+    with tifffile.TiffWriter(path, ome=True) as tw:  # OME: tifffile keeps a SubIFD level of any size
+        tw.write(image, tile=(256, 256), photometric="minisblack", compression="zlib", subifds=1)
+        tw.write(image[::128, ::128], tile=(16, 16), photometric="minisblack", subfiletype=1)
+    pyramid = dzi.open_pyramid(path)
+    try:
+        assert pyramid.levels == [(2048, 2048), (16, 16)]
+        areas = _count_reads(pyramid)
+        zoom = dzi.DeepZoom(2048, 2048)
+        for level in range(zoom.max_level + 1):
+            box = zoom.box(level, 0, 0)
+            tile = dzi.render_tile(pyramid, box, role="input")
+            assert tile.shape == (box.y1 - box.y0, box.x1 - box.x0, 3)
+        assert max(areas) <= 512 * 512
+        assert len(areas) == zoom.max_level + 1
+    finally:
+        pyramid.close()
+
+
+def test_an_overview_is_built_in_bounded_memory_and_locks_only_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review item 4: the overview's bands are copies (the coarsest level is not kept whole: peak
+    Python memory under 60 % of it), and its build lock is per file (another file opens meanwhile)."""
+    import threading
+    import tracemalloc
+
+    from skimage import data
+
+    monkeypatch.setattr(dzi, "MAX_READ_PIXELS", 1000 * 1000)
+    monkeypatch.setattr(dzi, "OVERVIEW_EDGE", 128)
+    grey = np.ascontiguousarray(np.tile(data.camera(), (8, 8))[:4001, :3999])  # 16 Mpx, one level
+    big, other = tmp_path / "big.tif", tmp_path / "other.tif"
+    tifffile.imwrite(big, grey, tile=(256, 256))  # tiled: a band decodes only its own tiles
+    tifffile.imwrite(other, grey[:1500, :1400])
+    del grey
+    tracemalloc.start()
+    try:
+        dzi.open_pyramid(big).close()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.6 * 4001 * 3999, peak
+    opened: list[Any] = []
+    with dzi._overview_lock(tmp_path / "big.tif.dzi-overview.npy"):
+        worker = threading.Thread(target=lambda: opened.append(dzi.open_pyramid(other)), daemon=True)
+        worker.start()
+        worker.join(60)
+    assert opened and opened[0].levels[-1] == (117, 125)
+    opened[0].close()
+
+
+def test_tile_requests_reuse_the_open_image_until_it_changes(tmp_path: Path) -> None:
+    """Review item 16: a PNG is decoded once for all its tiles (the same open image serves every
+    request), opened anew once rewritten; a deleted file's entry is closed."""
+    from skimage import data
+
+    path = tmp_path / "camera.png"
+    Image.fromarray(data.camera()).save(path)
+    zoom = dzi.DeepZoom(512, 512)
+    with dzi.opened(path) as first:
+        tile = dzi.render_tile(first, zoom.box(9, 1, 1), role="input")
+    with dzi.opened(path) as second:
+        again = dzi.render_tile(second, zoom.box(9, 1, 1), role="input")
+    assert second is first
+    assert np.array_equal(tile, again)
+    assert np.array_equal(tile[..., 0], data.camera()[255:512, 255:512])
+    Image.fromarray(data.camera()[::-1]).save(path)
+    os.utime(path, ns=(1, 1))
+    with dzi.opened(path) as third:
+        assert third is not first
+        assert np.array_equal(dzi.render_tile(third, zoom.box(9, 0, 0), role="input")[..., 0],
+                              data.camera()[::-1][:257, :257])  # fmt: skip
+    other = tmp_path / "other.png"
+    Image.fromarray(data.camera()[:100]).save(other)
+    path.unlink()
+    with dzi.opened(other) as fourth:
+        assert fourth.levels == [(512, 100)]
+    assert all(Path(key[0]).is_file() for key in dzi._OPEN)

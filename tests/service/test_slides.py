@@ -303,3 +303,107 @@ def test_spec_mpp_reads_the_slide_at_the_models_resolution(slides):
     )
     with pytest.raises(ValidationError, match="needs a 2D model"):
         ModelSpec.model_validate({**three, "mpp": 0.5})
+
+
+def test_thumbnail_of_a_level_thinner_than_the_block_is_its_mean(tmp_path):
+    """Review item 11: a 50000 x 3 coarsest level (block k = 25 > its height) once left the
+    thumbnail uninitialised; every pixel is now the mean of its (ragged) block: 200 here."""
+    import tifffile
+
+    from service.slides import thumbnail
+
+    path = tmp_path / "thin.tif"
+    tifffile.imwrite(path, np.full((3, 50000, 3), 200, np.uint8), photometric="rgb", tile=(16, 256))
+    info = SlideInfo("tifffile", None, ((50000, 3, 1.0),), 0.25)
+    with closing(open_slide(path, info)) as slide:
+        thumb = thumbnail(slide)
+    assert thumb.shape == (1, 2000, 3)
+    assert int(thumb.min()) == int(thumb.max()) == 200
+
+
+@pytest.mark.parametrize(("axes", "dtype"), [("CYX", np.uint8), ("YX", np.uint16), ("YXS", np.uint16)])
+def test_a_pyramid_the_slide_readers_cannot_read_is_read_as_any_tiff(tmp_path, axes, dtype):
+    """Review item 3: a channel-first (``CYX``, 2 x 1024 x 768) or 16-bit OME-TIFF pyramid was
+    taken for an RGB slide (read(0, 100, 110, 200, 220) gave shape (0, 20, 3), uint16 passed as
+    uint8); it is now no slide, and the TIFF probe reports its real channels and dtype."""
+    import tifffile
+
+    from service.codecs import probe
+    from service.slides import is_slide_tiff
+
+    rng = np.random.default_rng(0)
+    shape = {"CYX": (2, 1024, 768), "YX": (1024, 768), "YXS": (1024, 768, 3)}[axes]
+    image = rng.integers(0, 200, shape).astype(dtype)
+    path = tmp_path / "pyramid.ome.tif"
+    sub = (slice(None),) if axes == "CYX" else ()
+    photometric = "rgb" if axes == "YXS" else "minisblack"
+    with tifffile.TiffWriter(path, ome=True) as tw:
+        tw.write(image, tile=(256, 256), photometric=photometric, subifds=1, metadata={"axes": axes})
+        tw.write(image[(*sub, slice(None, None, 2), slice(None, None, 2))], tile=(256, 256),
+                 photometric=photometric, subfiletype=1)  # fmt: skip
+    with tifffile.TiffFile(path) as tif:  # the oracle: tifffile sees a two-level pyramid
+        assert tif.series[0].axes == axes and len(tif.series[0].levels) == 2
+    assert not is_slide_tiff(path)
+    assert probe_slide(path) is None
+    header = probe(path)
+    assert not header.info.get("slide")
+    assert header.dtype == np.dtype(dtype)
+    assert header.channels == {"CYX": 2, "YX": 1, "YXS": 3}[axes]
+
+
+def test_a_target_mpp_finer_than_the_slide_is_refused(slides, tmp_path):
+    """Review item 1: mpp=1e-6 on a 100000 x 80000 slide of 0.25 um/px made a read shape of
+    2.5e10 x 2e10 (and 0.0125 one of 2M x 1.6M) that hung the dry run; both are now 422 at once,
+    through the request and the dry run; half the slide's mpp (2x upsampling) is still read."""
+    from service.app import create_app
+    from service.settings import Settings
+
+    info = SlideInfo("tiffslide", "aperio", ((100_000, 80_000, 1.0), (25_000, 20_000, 4.0)), 0.25)
+    for mpp in (1e-6, 0.0125, 0.12, float("nan")):
+        with pytest.raises(UnusableInputError, match="finer than this slide holds|mpp"):
+            choose_resolution(info, None, mpp, None)
+    with pytest.raises(UnusableInputError, match="the model's mpp 1e-06"):
+        choose_resolution(info, 1e-6, None, None)
+    assert choose_resolution(info, None, 0.125, None).shape == (160_000, 200_000)
+    (tmp_path / "models").mkdir()
+    settings = Settings(_env_file=None, models_dir=tmp_path / "models", tmp_dir=tmp_path, device="cpu",
+                        warmup=False)  # fmt: skip
+    body = slides["ome"].read_bytes()
+    with InProcessClient(create_app(settings)) as client:
+        for query in ("dry_run=true&mpp=0.000001", "mpp=0.000001", "mpp=0.0125"):
+            response = client.post(f"/v1/models/gaussian-2d/infer?{query}", content=body)
+            assert response.status_code == 422, response.text
+            assert "finer than this slide holds" in response.text
+
+
+def test_the_disk_estimate_of_a_slide_is_the_level_read(slides):
+    """Review item 1: the output's disk estimate used level 0's shape whatever level was read."""
+    from service.codecs import probe
+    from service.slides import read_header
+
+    header = probe(slides["ome"])
+    spec = ModelRepository(None, device="cpu").get("gaussian-2d").spec
+    level2 = read_header(header, spec, parse_params({"level": "2"}))
+    assert tuple(level2.spatial_shape) == (SHAPE[0] // 4, SHAPE[1] // 4)
+    assert read_header(header, spec, parse_params({})) is header
+
+
+@pytest.mark.parametrize("border", ["clip", "pad"])
+def test_background_tiles_of_a_grid_equal_the_per_tile_mask(slides, border):
+    """Review item 1: ``background_tiles`` looped in Python over every tile (dry run and prepare);
+    vectorized, it equals the mask's own per-region answer on every tile of a halo'd grid."""
+    from service.slides import background_tiles, open_slide_regions
+    from tiling.grid import TileGrid
+    from tiling.reuse import read_box
+
+    info = probe_slide(slides["svs"])
+    resolution = choose_resolution(info, None, 0.37, None)  # resampled: odd shape
+    with closing(open_slide_regions(slides["svs"], info, resolution, mask=True)) as regions:
+        mask = regions.mask
+        grid = TileGrid.plan(resolution.shape, (96, 160), halo=(13, 7), border=border)
+        want = []
+        for tile in grid.tiles():
+            (y0, x0), (y1, x1) = read_box(grid, tile)
+            want.append(mask.background(y0, y1, x0, x1))
+    assert 0 < sum(want) < len(want)
+    assert background_tiles(grid, mask) == want
