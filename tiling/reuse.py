@@ -73,6 +73,15 @@ class TileReuse:
         """Tiles the network ran."""
         return self.n_tiles - self.n_reused
 
+    def counts(self) -> tuple[int, int, int]:
+        """``(n_tiles, n_filled, n_reused)`` now: :meth:`rewind` goes back to them."""
+        return self.n_tiles, self.n_filled, self.n_reused
+
+    def rewind(self, counts: tuple[int, int, int]) -> None:
+        """Set the counts back to ``counts`` (from :meth:`counts`): a run that failed and is run
+        again (out of device memory, smaller) counts its tiles once."""
+        self.n_tiles, self.n_filled, self.n_reused = counts
+
     def forget(self) -> None:
         """Drop the kept predictions (a new run, maybe of another tile shape); counts stay."""
         self._cache.clear()
