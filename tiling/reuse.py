@@ -98,16 +98,18 @@ class TileReuse:
 
     def keys(self, data: torch.Tensor, filled: Sequence[bool]) -> list[bytes | None]:
         """Per tile of ``data`` ``(B, C, *S)``: the bytes of its per-channel value when it is
-        constant (and constant reuse is on, or it was filled), else ``None``. NaN is never constant."""
-        out: list[bytes | None] = []
-        for k in range(int(data.shape[0])):
-            if not (self.constant or filled[k]):
-                out.append(None)
-                continue
-            flat = data[k].reshape(int(data.shape[1]), -1)
-            lo, hi = torch.aminmax(flat, dim=1)
-            out.append(lo.cpu().numpy().tobytes() if bool(torch.equal(lo, hi)) else None)
-        return out
+        constant (and constant reuse is on, or it was filled), else ``None``. NaN is never constant.
+
+        One reduction over the batch and one transfer of its ``(2, B, C)`` minima and maxima to
+        the host (one device sync per batch, not per tile)."""
+        n = int(data.shape[0])
+        wanted = [self.constant or bool(filled[k]) for k in range(n)]
+        if not any(wanted):
+            return [None] * n
+        lo, hi = torch.aminmax(data.reshape(n, int(data.shape[1]), -1), dim=2)
+        bounds = torch.stack([lo, hi]).cpu().numpy()  # the one transfer
+        same = (bounds[0] == bounds[1]).all(axis=1)  # NaN != NaN: never constant
+        return [bounds[0, k].tobytes() if wanted[k] and same[k] else None for k in range(n)]
 
     def predict(self, predictor: Callable[[torch.Tensor], Any], data: torch.Tensor, keys: list[bytes | None],
                 check: Callable[[Any, int], torch.Tensor]) -> torch.Tensor:  # fmt: skip
