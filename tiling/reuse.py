@@ -11,10 +11,13 @@ Two decisions, both per tile, both made by the engine before the network sees a 
   prediction. The crop and the blend window stay
   the tile's own, so the result equals a run without reuse (difference 0 on a deterministic
   predictor; up to the predictor's batch-size rounding otherwise).
-- *skip* (a caller's decision, e.g. a tissue mask): ``skip(tile)`` returns the per-channel values to
-  feed instead of reading the tile (its input is never read), or ``None`` to read it. A filled tile
-  is constant, so it is answered by constant reuse: a skipped tile equals what the network gives
-  on a blank tile of that value, computed once.
+- *skip* (a library caller's option): ``skip(tile)`` returns the per-channel values to feed
+  instead of reading the tile (its input is never read), or ``None`` to read it. A filled tile is
+  constant, so it is answered by constant reuse: a skipped tile equals what the network gives on a
+  blank tile of that value, computed once. The service sets no ``skip``: a slide's background is
+  skipped one level down, where its region source (``service.slides.SlideRegions``) returns blank
+  glass for regions outside the tissue mask without reading them; those tiles are constant, so
+  constant reuse answers them (counted in ``n_reused``; ``n_filled`` stays 0).
 
 :class:`TileReuse` carries both settings into :func:`tiling.tiled_inference` and the counts out.
 """
