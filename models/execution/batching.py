@@ -77,6 +77,13 @@ class _Call:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     should_stop: Callable[[], bool] | None = None
+    #: The client's: set when one of its calls was stopped, so its other queued calls are dropped.
+    stopped: threading.Event | None = None
+
+    @property
+    def dropped(self) -> bool:
+        """Whether nobody needs this call's outputs any more (it ended, or its client stopped)."""
+        return self.done.is_set() or (self.stopped is not None and self.stopped.is_set())
 
     def fail(self, error: BaseException) -> None:
         """End the call with ``error`` (the first error wins)."""
@@ -97,6 +104,8 @@ class _Call:
         """
         while not self.done.wait(_POLL_S):
             if self.should_stop is not None and self.should_stop():
+                if self.stopped is not None:
+                    self.stopped.set()
                 self.fail(RunCancelledError("stopped by the caller while its tiles waited for the device"))
         if self.error is not None:
             raise self.error
@@ -177,12 +186,13 @@ class SharedBatcher:
                 raises :class:`tiling.RunCancelledError` there and drops its queued tiles.
         """
         ident = next(self._ids)
+        stopped = threading.Event()
 
         def submit(tiles: torch.Tensor) -> _Call:
-            return self._submit(ident, tiles, should_stop)
+            return self._submit(ident, tiles, should_stop, stopped)
 
         def predict(tiles: torch.Tensor) -> torch.Tensor:
-            return self._submit(ident, tiles, should_stop).result()
+            return self._submit(ident, tiles, should_stop, stopped).result()
 
         predict.device = self.device  # type: ignore[attr-defined]
         predict.submit = submit  # type: ignore[attr-defined]
@@ -197,10 +207,14 @@ class SharedBatcher:
             thread.join(5)
 
     def _submit(
-        self, client: int, tiles: torch.Tensor, should_stop: Callable[[], bool] | None = None
+        self,
+        client: int,
+        tiles: torch.Tensor,
+        should_stop: Callable[[], bool] | None = None,
+        stopped: threading.Event | None = None,
     ) -> _Call:
         n = int(tiles.shape[0])
-        call = _Call(client, tiles, [None] * n, n, should_stop=should_stop)
+        call = _Call(client, tiles, [None] * n, n, should_stop=should_stop, stopped=stopped)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the shared batcher is closed")
@@ -214,9 +228,15 @@ class SharedBatcher:
         return sum(len(q) for q in self._queues.values())
 
     def _drop_cancelled(self) -> None:
-        """Forget the queued tiles of calls that ended already (cancelled or failed)."""
+        """Forget the queued tiles of calls that ended already (cancelled or failed), and of every
+        call of a client one of whose calls was stopped."""
         for client in list(self._queues):
             queue_ = self._queues[client]
+            first = queue_[0][0] if queue_ else None
+            if first is not None and first.stopped is not None and first.stopped.is_set():
+                error = RunCancelledError("stopped by the caller while its tiles waited for the device")
+                for call, _ in queue_:
+                    call.fail(error)
             if any(call.done.is_set() for call, _ in queue_):
                 kept = deque((call, k) for call, k in queue_ if not call.done.is_set())
                 if kept:
@@ -299,6 +319,13 @@ class SharedBatcher:
                 staged = self._ready.get()
                 if staged is None:
                     return
+                if all(call.dropped for call, _ in staged.taken):  # every request of it stopped
+                    staged.error = RunCancelledError(
+                        "stopped by the caller while its tiles waited for the device"
+                    )
+                    staged.x = None
+                    self._done.put(staged)
+                    continue
                 started = time.perf_counter()
                 try:
                     with torch.inference_mode():

@@ -90,6 +90,45 @@ def test_a_cancel_stops_a_waiting_caller() -> None:
         assert not alive, "a cancelled caller still waits on the device"
         assert isinstance(outcome["error"], RunCancelledError)
         assert torch.equal(batcher.client()(torch.ones(1, 1, 4, 4)), torch.ones(1, 1, 4, 4))
+        # the cancelled call's queued tiles were dropped: the tile on the device, at most one
+        # staged beside it, and the next request's
+        assert batcher.forward_calls <= 3, batcher.forward_calls
+    finally:
+        release.set()
+        batcher.close()
+
+
+def test_a_cancel_drops_the_other_queued_calls_of_that_request() -> None:
+    """The engine keeps calls of a request in flight (``submit``): when the one it waits on is
+    stopped, the request's calls still queued never reach the device."""
+    release = threading.Event()
+    seen: list[float] = []
+
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        release.wait(20)
+        seen.extend(float(v) for v in x[:, 0, 0, 0])
+        return x
+
+    batcher = SharedBatcher(slow, 1, wait_s=0.0)
+    stop = threading.Event()
+    try:
+        predict = batcher.client(should_stop=stop.is_set)
+        first = predict.submit(torch.zeros(2, 1, 4, 4))  # type: ignore[attr-defined]
+        predict.submit(torch.full((3, 1, 4, 4), 5.0))  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while batcher._ready.qsize() == 0 and time.monotonic() < deadline:  # the 5s staged
+            time.sleep(0.01)
+        predict.submit(torch.full((2, 1, 4, 4), 9.0))  # type: ignore[attr-defined]
+        stop.set()
+        try:
+            first.result()
+        except RunCancelledError:
+            pass
+        else:
+            raise AssertionError("the stopped call returned")
+        release.set()
+        assert torch.equal(batcher.client()(torch.ones(1, 1, 4, 4)), torch.ones(1, 1, 4, 4))
+        assert 9.0 not in seen, seen  # queued behind the staged batch when the request stopped
     finally:
         release.set()
         batcher.close()
