@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SLAB_PIXELS", "SLAB_ROWS", "write_geojson"]
+__all__ = ["MAX_OBJECTS", "SLAB_PIXELS", "SLAB_ROWS", "write_geojson"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +42,24 @@ logger = logging.getLogger(__name__)
 SLAB_ROWS = 128
 #: ... and pixels per slab at most (a slab's temporaries are some 30 bytes a pixel).
 SLAB_PIXELS = 1 << 21
+#: Objects one GeoJSON output may hold (a label image of more is refused: ``format=ome.tiff``
+#: keeps the labels themselves).
+MAX_OBJECTS = 1_000_000
 
 
 class _Objects:
-    """Components of the slabs seen so far, joined by a union-find (see the module docstring)."""
+    """Components of the objects still open, joined by a union-find (see the module docstring).
+
+    ``members`` lists each root's components, so :meth:`pop` forgets all of them: what is kept is
+    the open objects' components, never every object seen.
+    """
 
     def __init__(self) -> None:
         self.parent: dict[int, int] = {}
         self.value: dict[int, int] = {}
         self.area: dict[int, int] = {}
         self.pieces: dict[int, list[Any]] = {}
+        self.members: dict[int, list[int]] = {}
 
     def find(self, g: int) -> int:
         root = g
@@ -70,15 +78,22 @@ class _Objects:
         self.parent[rb] = ra
         self.area[ra] += self.area.pop(rb)
         self.pieces[ra].extend(self.pieces.pop(rb))
+        self.members[ra].extend(self.members.pop(rb))
 
     def add(self, g: int, value: int, area: int, piece: Any) -> None:
         self.parent[g] = g
         self.value[g] = value
         self.area[g] = area
         self.pieces[g] = [piece]
+        self.members[g] = [g]
 
     def pop(self, root: int) -> tuple[int, int, list[Any]]:
-        return self.value[root], self.area.pop(root), self.pieces.pop(root)
+        """The closed object of ``root`` (value, area, pieces); its components are forgotten."""
+        value = self.value[root]
+        for g in self.members.pop(root):
+            del self.parent[g]
+            del self.value[g]
+        return value, self.area.pop(root), self.pieces.pop(root)
 
 
 def _integers(value: Any) -> Any:
@@ -122,6 +137,7 @@ def write_geojson(
     provenance: Any = None,
     slab_rows: int | None = None,
     scale: tuple[float, float] = (1.0, 1.0),
+    max_objects: int | None = None,
 ) -> int:
     """Write the objects of ``labels`` as a GeoJSON FeatureCollection (see the module docstring).
 
@@ -136,17 +152,21 @@ def write_geojson(
         scale: level-0 pixels per pixel of ``labels`` ``(y, x)``, when the labels are coarser than
             the input (a slide read at a level or an mpp): coordinates and ``area`` are multiplied
             so that they stay in level-0 pixels.
+        max_objects: objects at most (default :data:`MAX_OBJECTS`).
 
     Returns:
         The number of objects (Features) written.
 
     Raises:
         ValueError: ``labels`` is not 2D.
+        OverBudgetError: more than ``max_objects`` objects (HTTP 422 ``over_budget``); the
+            partial file is removed.
     """
     import shapely
     from skimage.measure import label as connected
 
     from service.codecs.image_encode import LABEL_PALETTE
+    from service.errors import OverBudgetError
     from service.outlines import component_outlines
 
     if labels.ndim != 2:
@@ -155,57 +175,67 @@ def write_geojson(
     height, width = (int(n) for n in labels.shape)
     if slab_rows is None:
         slab_rows = max(8, min(SLAB_ROWS, SLAB_PIXELS // max(width, 1)))
+    cap = MAX_OBJECTS if max_objects is None else int(max_objects)
     objects = _Objects()
     active: set[int] = set()
     last_ids = np.zeros(width, np.int64)
     last_values = np.zeros(width, np.int64)
     offset = 0
     written = 0
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write('{"type": "FeatureCollection"')
-        if provenance is not None:
-            fh.write(', "tilewise": ' + json.dumps(provenance.as_dict(), sort_keys=True))
-        fh.write(', "features": [')
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write('{"type": "FeatureCollection"')
+            if provenance is not None:
+                fh.write(', "tilewise": ' + json.dumps(provenance.as_dict(), sort_keys=True))
+            fh.write(', "features": [')
 
-        def emit(root: int) -> None:
-            nonlocal written
-            value, area, pieces = objects.pop(root)
-            if len(pieces) > 1:  # joined across seams: drop the seams' collinear vertices (lossless)
-                geometry = shapely.simplify(shapely.union_all(pieces), 0.0)
-            else:
-                geometry = pieces[0]
-            fh.write(
-                ("\n" if written == 0 else ",\n")
-                + json.dumps(_feature(geometry, value, area, names, LABEL_PALETTE, scale))
-            )
-            written += 1
+            def emit(root: int) -> None:
+                nonlocal written
+                if written >= cap:
+                    raise OverBudgetError(
+                        f"the label image has more than {cap} objects; GeoJSON output holds at most {cap} "
+                        "(ask format=ome.tiff for the labels themselves)"
+                    )
+                value, area, pieces = objects.pop(root)
+                if len(pieces) > 1:  # joined across seams: drop the seams' collinear vertices (lossless)
+                    geometry = shapely.simplify(shapely.union_all(pieces), 0.0)
+                else:
+                    geometry = pieces[0]
+                fh.write(
+                    ("\n" if written == 0 else ",\n")
+                    + json.dumps(_feature(geometry, value, area, names, LABEL_PALETTE, scale))
+                )
+                written += 1
 
-        for r0 in range(0, height, slab_rows):
-            slab = np.asarray(labels[r0 : r0 + slab_rows])
-            ids, n = connected(slab, background=0, connectivity=2, return_num=True)
-            if n:
-                areas = np.bincount(ids.ravel(), minlength=n + 1)
-                values = np.zeros(n + 1, np.int64)
-                values[ids.ravel()] = slab.ravel()
-                for i, piece in enumerate(component_outlines(ids, n, areas, r0), start=1):
-                    objects.add(offset + i, int(values[i]), int(areas[i]), piece)
-                    active.add(offset + i)
-                first = np.where(ids[0] > 0, ids[0] + offset, 0)
-                for dx in (-1, 0, 1):  # the seam, 8-connected: (r0 - 1, x) with (r0, x + dx)
-                    lo, hi = max(0, -dx), width - max(0, dx)
-                    a, b = last_ids[lo:hi], first[lo + dx : hi + dx]
-                    joined = (a > 0) & (b > 0) & (last_values[lo:hi] == slab[0, lo + dx : hi + dx])
-                    for pair in np.unique(np.stack([a[joined], b[joined]], 1), axis=0):
-                        objects.union(int(pair[0]), int(pair[1]))
-            last_ids = np.where(ids[-1] > 0, ids[-1] + offset, 0)
-            last_values = slab[-1].astype(np.int64)
-            offset += n
-            still_open = {objects.find(int(g)) for g in np.unique(last_ids) if g}
-            for root in sorted({objects.find(g) for g in active} - still_open):
+            for r0 in range(0, height, slab_rows):
+                slab = np.asarray(labels[r0 : r0 + slab_rows])
+                ids, n = connected(slab, background=0, connectivity=2, return_num=True)
+                if n:
+                    areas = np.bincount(ids.ravel(), minlength=n + 1)
+                    values = np.zeros(n + 1, np.int64)
+                    values[ids.ravel()] = slab.ravel()
+                    for i, piece in enumerate(component_outlines(ids, n, areas, r0), start=1):
+                        objects.add(offset + i, int(values[i]), int(areas[i]), piece)
+                        active.add(offset + i)
+                    first = np.where(ids[0] > 0, ids[0] + offset, 0)
+                    for dx in (-1, 0, 1):  # the seam, 8-connected: (r0 - 1, x) with (r0, x + dx)
+                        lo, hi = max(0, -dx), width - max(0, dx)
+                        a, b = last_ids[lo:hi], first[lo + dx : hi + dx]
+                        joined = (a > 0) & (b > 0) & (last_values[lo:hi] == slab[0, lo + dx : hi + dx])
+                        for pair in np.unique(np.stack([a[joined], b[joined]], 1), axis=0):
+                            objects.union(int(pair[0]), int(pair[1]))
+                last_ids = np.where(ids[-1] > 0, ids[-1] + offset, 0)
+                last_values = slab[-1].astype(np.int64)
+                offset += n
+                still_open = {objects.find(int(g)) for g in np.unique(last_ids) if g}
+                for root in sorted({objects.find(g) for g in active} - still_open):
+                    emit(root)
+                active = still_open
+            for root in sorted(active):
                 emit(root)
-            active = still_open
-        for root in sorted(active):
-            emit(root)
-        fh.write("\n]}\n")
+            fh.write("\n]}\n")
+    except BaseException:
+        Path(path).unlink(missing_ok=True)  # no half-written output
+        raise
     logger.info("wrote %d objects of a %s label image as GeoJSON", written, labels.shape)
     return written

@@ -13,8 +13,9 @@ multiple of both the tile and the coarsest block), each band is reduced, block b
 2048`` pixels, into every coarser level at once (per-class counts and sums are additive, so level
 ``k`` comes from level ``k - 1``'s partial counts, exactly). The coarser levels go to temporaries on
 disk (:class:`~service.paged.PagedMemmap`, a third of level 0's bytes in all) and are written after
-level 0, as SubIFDs of each level-0 page. Memory: one block's counts (``n_classes x B x 2048``
-int32 for labels; ``B x 2048`` float64 per channel for values), whatever the image size.
+level 0, as SubIFDs of each level-0 page. Memory: one block's counts (for labels one class at a
+time: a ``B x 2048`` mask and each level's best count and label, whatever the number of classes;
+``B x 2048`` float64 per channel for values), whatever the image size.
 
 The file: tiled (256 x 256), zlib-compressed, BigTIFF when over 4 GB, axes ``YX`` (labels, one
 channel) or ``CYX`` (one page per channel); OME-XML with ``PhysicalSizeX/Y`` in µm (the input's
@@ -142,11 +143,23 @@ class PyramidLevels:
         classes = (
             np.flatnonzero(np.bincount(block.ravel())).astype(block.dtype) if small else np.unique(block)
         )
-        counts = (block[None] == classes[:, None, None]).astype(np.int32)
-        for k, array in enumerate(self.arrays, start=1):
-            counts = _block_sum(counts)
-            # argmax takes the first maximum: the smallest label on a tie (classes are sorted)
-            mode = classes[np.argmax(counts, axis=0)]
+        # one class at a time, keeping each level's best count and label so far: memory is the
+        # block's mask and the levels' best arrays, whatever the number of classes
+        best: list[tuple[np.ndarray, np.ndarray]] = []
+        for n, value in enumerate(classes):
+            counts = _block_sum((block == value).view(np.uint8)).astype(np.int32)  # level 1: <= 4
+            for k in range(len(self.arrays)):
+                if k:
+                    counts = _block_sum(counts)
+                if n == 0:
+                    best.append((counts, np.full(counts.shape, value, block.dtype)))
+                    continue
+                # strictly more only: the smallest label keeps a tie (classes are sorted)
+                top, label = best[k]
+                more = counts > top
+                np.copyto(top, counts, where=more)
+                label[more] = value
+        for k, (array, (_, mode)) in enumerate(zip(self.arrays, best, strict=True), start=1):
             f = 2**k
             array[0, r0 // f : r0 // f + mode.shape[0], c0 // f : c0 // f + mode.shape[1]] = mode
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from models.execution.batching import SharedBatcher, bound_predictor
@@ -52,12 +52,14 @@ class SharedBatches:
         return batcher
 
     @contextlib.contextmanager
-    def bind(self, model: Any) -> Iterator[None]:
-        """Within the block, this thread's tiled passes of ``model`` share forward batches."""
+    def bind(self, model: Any, should_stop: Callable[[], bool] | None = None) -> Iterator[None]:
+        """Within the block, this thread's tiled passes of ``model`` share forward batches; while
+        they wait for the device, ``should_stop`` (the run's) is asked every 0.1 s and true stops
+        them (``tiling.RunCancelledError``)."""
         if model.context is not None:
             yield
             return
-        with bound_predictor(self.batcher(model).client()):
+        with bound_predictor(self.batcher(model).client(should_stop)):
             yield
 
     def close(self) -> None:

@@ -235,6 +235,7 @@ def prepare(
     prepared: Prepared | None = None
     regions: Any = None
     target: Any = None
+    ready = False  # until the return: anything raised releases what was opened
     try:
         from service.slides import open_slide_source
 
@@ -284,9 +285,10 @@ def prepare(
             kept, prepared.resume = checkpoint.start(plan, *_output_layout(spec, plan))
             prepared.kept = paged(kept) if isinstance(kept, np.memmap) else kept
         prepared.stages["prepare"] = time.perf_counter() - started
+        ready = True
         return prepared
     finally:
-        if prepared is None:  # refused (plan, budget, output): release what was opened
+        if not ready:  # refused (plan, budget, output, checkpoint): release what was opened
             for opened in (target, regions):
                 closer = getattr(opened, "close", None)
                 if callable(closer):

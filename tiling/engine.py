@@ -172,7 +172,7 @@ def tiled_inference(
             sink = Sink(out, grid.out_shape, like="numpy", floor=start.floor)
             rows = RowTracker(grid, start.rows_done, resume.on_rows, sink.flush)
             _run_one(inputs, grid, predictor, pad_mode, int(batch_size), transfers, sink, reduce, prefetch,
-                     bar, should_stop, start.first_tile, start.origin, rows, seam, reuse)  # fmt: skip
+                     bar, should_stop, start.first_tile, start.origin, rows, seam, reuse=reuse)  # fmt: skip
             return sink.result()
         results = []
         for n in range(shape[0]):
@@ -257,16 +257,17 @@ def _run_one(
     origin: int = 0,
     rows: RowTracker | None = None,
     seam: SeamStats | None = None,
-    reuse: TileReuse | None = None,
+    *,
+    reuse: TileReuse,
 ) -> None:
     """Stream the tiles of one ``(C, *spatial)`` source through ``predictor`` into ``sink``, from
-    tile ``first`` (grid C order) on; ``origin`` is the first output row (axis 0) written."""
+    tile ``first`` (grid C order) on; ``origin`` is the first output row (axis 0) written; ``reuse``
+    is :func:`tiled_inference`'s (always set there)."""
     merger = make_merger(grid, sink, reduce, transfers.merge_device, origin=origin)
     meter = None if seam is None else SeamMeter(grid, seam, transfers.merge_device)
     pin = transfers.run_device.type == "cuda"
     c_out: int | None = None
     in_flight: deque[tuple[Batch, Staged]] = deque()
-    reuse = TileReuse(constant=False) if reuse is None else reuse
     with TileReader(source, grid, pad_mode, batch_size, pin=pin, prefetch=prefetch, first=first,
                     reuse=reuse) as reader:  # fmt: skip
         # a predictor that queues work (``submit(x) -> handle``, a shared batcher's client) gets the

@@ -11,10 +11,13 @@ Two decisions, both per tile, both made by the engine before the network sees a 
   prediction. The crop and the blend window stay
   the tile's own, so the result equals a run without reuse (difference 0 on a deterministic
   predictor; up to the predictor's batch-size rounding otherwise).
-- *skip* (a caller's decision, e.g. a tissue mask): ``skip(tile)`` returns the per-channel values to
-  feed instead of reading the tile (its input is never read), or ``None`` to read it. A filled tile
-  is constant, so it is answered by constant reuse: a skipped tile equals what the network gives
-  on a blank tile of that value, computed once.
+- *skip* (a library caller's option): ``skip(tile)`` returns the per-channel values to feed
+  instead of reading the tile (its input is never read), or ``None`` to read it. A filled tile is
+  constant, so it is answered by constant reuse: a skipped tile equals what the network gives on a
+  blank tile of that value, computed once. The service sets no ``skip``: a slide's background is
+  skipped one level down, where its region source (``service.slides.SlideRegions``) returns blank
+  glass for regions outside the tissue mask without reading them; those tiles are constant, so
+  constant reuse answers them (counted in ``n_reused``; ``n_filled`` stays 0).
 
 :class:`TileReuse` carries both settings into :func:`tiling.tiled_inference` and the counts out.
 """
@@ -73,6 +76,15 @@ class TileReuse:
         """Tiles the network ran."""
         return self.n_tiles - self.n_reused
 
+    def counts(self) -> tuple[int, int, int]:
+        """``(n_tiles, n_filled, n_reused)`` now: :meth:`rewind` goes back to them."""
+        return self.n_tiles, self.n_filled, self.n_reused
+
+    def rewind(self, counts: tuple[int, int, int]) -> None:
+        """Set the counts back to ``counts`` (from :meth:`counts`): a run that failed and is run
+        again (out of device memory, smaller) counts its tiles once."""
+        self.n_tiles, self.n_filled, self.n_reused = counts
+
     def forget(self) -> None:
         """Drop the kept predictions (a new run, maybe of another tile shape); counts stay."""
         self._cache.clear()
@@ -89,16 +101,18 @@ class TileReuse:
 
     def keys(self, data: torch.Tensor, filled: Sequence[bool]) -> list[bytes | None]:
         """Per tile of ``data`` ``(B, C, *S)``: the bytes of its per-channel value when it is
-        constant (and constant reuse is on, or it was filled), else ``None``. NaN is never constant."""
-        out: list[bytes | None] = []
-        for k in range(int(data.shape[0])):
-            if not (self.constant or filled[k]):
-                out.append(None)
-                continue
-            flat = data[k].reshape(int(data.shape[1]), -1)
-            lo, hi = torch.aminmax(flat, dim=1)
-            out.append(lo.cpu().numpy().tobytes() if bool(torch.equal(lo, hi)) else None)
-        return out
+        constant (and constant reuse is on, or it was filled), else ``None``. NaN is never constant.
+
+        One reduction over the batch and one transfer of its ``(2, B, C)`` minima and maxima to
+        the host (one device sync per batch, not per tile)."""
+        n = int(data.shape[0])
+        wanted = [self.constant or bool(filled[k]) for k in range(n)]
+        if not any(wanted):
+            return [None] * n
+        lo, hi = torch.aminmax(data.reshape(n, int(data.shape[1]), -1), dim=2)
+        bounds = torch.stack([lo, hi]).cpu().numpy()  # the one transfer
+        same = (bounds[0] == bounds[1]).all(axis=1)  # NaN != NaN: never constant
+        return [bounds[0, k].tobytes() if wanted[k] and same[k] else None for k in range(n)]
 
     def predict(self, predictor: Callable[[torch.Tensor], Any], data: torch.Tensor, keys: list[bytes | None],
                 check: Callable[[Any, int], torch.Tensor]) -> torch.Tensor:  # fmt: skip

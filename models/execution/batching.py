@@ -33,9 +33,13 @@ from typing import Any
 
 import torch
 
+from tiling import RunCancelledError, ShapeMismatchError
+
 __all__ = ["SharedBatcher", "bound_predictor", "current_predictor"]
 
 logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1  # how often a waiting call asks its should_stop
 
 _CURRENT: contextvars.ContextVar[Callable[[torch.Tensor], Any] | None] = contextvars.ContextVar(
     "tilewise_shared_predictor", default=None
@@ -72,14 +76,37 @@ class _Call:
     left: int
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    should_stop: Callable[[], bool] | None = None
+    #: The client's: set when one of its calls was stopped, so its other queued calls are dropped.
+    stopped: threading.Event | None = None
+
+    @property
+    def dropped(self) -> bool:
+        """Whether nobody needs this call's outputs any more (it ended, or its client stopped)."""
+        return self.done.is_set() or (self.stopped is not None and self.stopped.is_set())
+
+    def fail(self, error: BaseException) -> None:
+        """End the call with ``error`` (the first error wins)."""
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
 
     def result(self) -> torch.Tensor:
         """``(B, C_out, *tile_out)``: this call's outputs, once its forward passes ran.
 
+        Waits in slices of ``_POLL_S`` seconds, asking ``should_stop`` (the client's) between them.
+
         Raises:
-            BaseException: whatever the forward pass holding one of its tiles raised.
+            RunCancelledError: ``should_stop()`` returned true while the call waited (its tiles
+                still queued are dropped).
+            BaseException: whatever the forward pass holding one of its tiles raised, or the
+                batcher's error when the pass's output did not fit.
         """
-        self.done.wait()
+        while not self.done.wait(_POLL_S):
+            if self.should_stop is not None and self.should_stop():
+                if self.stopped is not None:
+                    self.stopped.set()
+                self.fail(RunCancelledError("stopped by the caller while its tiles waited for the device"))
         if self.error is not None:
             raise self.error
         return torch.stack([o for o in self.outputs if o is not None])
@@ -151,15 +178,21 @@ class SharedBatcher:
         for thread in self._threads:
             thread.start()
 
-    def client(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A predictor for one request: call it with that request's batches (or ``submit`` them)."""
+    def client(self, should_stop: Callable[[], bool] | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A predictor for one request: call it with that request's batches (or ``submit`` them).
+
+        Args:
+            should_stop: asked every ``0.1`` s while the request waits for its outputs; true
+                raises :class:`tiling.RunCancelledError` there and drops its queued tiles.
+        """
         ident = next(self._ids)
+        stopped = threading.Event()
 
         def submit(tiles: torch.Tensor) -> _Call:
-            return self._submit(ident, tiles)
+            return self._submit(ident, tiles, should_stop, stopped)
 
         def predict(tiles: torch.Tensor) -> torch.Tensor:
-            return self._submit(ident, tiles).result()
+            return self._submit(ident, tiles, should_stop, stopped).result()
 
         predict.device = self.device  # type: ignore[attr-defined]
         predict.submit = submit  # type: ignore[attr-defined]
@@ -173,9 +206,15 @@ class SharedBatcher:
         for thread in self._threads:
             thread.join(5)
 
-    def _submit(self, client: int, tiles: torch.Tensor) -> _Call:
+    def _submit(
+        self,
+        client: int,
+        tiles: torch.Tensor,
+        should_stop: Callable[[], bool] | None = None,
+        stopped: threading.Event | None = None,
+    ) -> _Call:
         n = int(tiles.shape[0])
-        call = _Call(client, tiles, [None] * n, n)
+        call = _Call(client, tiles, [None] * n, n, should_stop=should_stop, stopped=stopped)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the shared batcher is closed")
@@ -185,7 +224,25 @@ class SharedBatcher:
         return call
 
     def _pending(self) -> int:
+        self._drop_cancelled()
         return sum(len(q) for q in self._queues.values())
+
+    def _drop_cancelled(self) -> None:
+        """Forget the queued tiles of calls that ended already (cancelled or failed), and of every
+        call of a client one of whose calls was stopped."""
+        for client in list(self._queues):
+            queue_ = self._queues[client]
+            first = queue_[0][0] if queue_ else None
+            if first is not None and first.stopped is not None and first.stopped.is_set():
+                error = RunCancelledError("stopped by the caller while its tiles waited for the device")
+                for call, _ in queue_:
+                    call.fail(error)
+            if any(call.done.is_set() for call, _ in queue_):
+                kept = deque((call, k) for call, k in queue_ if not call.done.is_set())
+                if kept:
+                    self._queues[client] = kept
+                else:
+                    del self._queues[client]
 
     def _target(self) -> int:
         """Tiles per forward pass now: ``batch_size``, or a waiting request's own larger batch."""
@@ -194,6 +251,7 @@ class SharedBatcher:
 
     def _take(self) -> list[tuple[_Call, int]]:
         """Up to :meth:`_target` tiles of one shape, round robin by request (oldest request first)."""
+        self._drop_cancelled()
         target = self._target()
         shape = None
         for queue_ in self._queues.values():
@@ -261,11 +319,25 @@ class SharedBatcher:
                 staged = self._ready.get()
                 if staged is None:
                     return
+                if all(call.dropped for call, _ in staged.taken):  # every request of it stopped
+                    staged.error = RunCancelledError(
+                        "stopped by the caller while its tiles waited for the device"
+                    )
+                    staged.x = None
+                    self._done.put(staged)
+                    continue
                 started = time.perf_counter()
                 try:
                     with torch.inference_mode():
                         y = self.predictor(staged.x)
-                    staged.y = y if isinstance(y, torch.Tensor) else torch.as_tensor(y)
+                    y = y if isinstance(y, torch.Tensor) else torch.as_tensor(y)
+                    if y.ndim == 0 or int(y.shape[0]) != len(staged.taken):
+                        rows = 0 if y.ndim == 0 else int(y.shape[0])
+                        raise ShapeMismatchError(
+                            f"the predictor returned {rows} rows for {len(staged.taken)} tiles "
+                            f"(output shape {tuple(y.shape)}); expected one output per tile"
+                        )
+                    staged.y = y
                 except BaseException as exc:  # noqa: BLE001 - handed to every waiting request of the batch
                     staged.error = exc
                 staged.seconds = time.perf_counter() - started
@@ -277,32 +349,42 @@ class SharedBatcher:
             self._done.put(None)
 
     def _complete(self) -> None:
-        """Hand each request its outputs (off the device thread)."""
+        """Hand each request its outputs (off the device thread); never dies on one batch's error."""
         while True:
             staged = self._done.get()
             if staged is None:
                 return
-            if staged.error is not None or staged.y is None:
-                error = staged.error or RuntimeError("the forward pass returned nothing")
+            try:
+                self._hand_back(staged)
+            except BaseException as exc:  # noqa: BLE001 - fails this batch's calls, keeps serving
+                logger.exception("shared batch: handing back a forward pass failed")
                 for call, _ in staged.taken:
-                    call.error = error
-                    call.done.set()
+                    call.fail(exc)
+            if self.on_batch is not None and staged.error is None and staged.y is not None:
+                try:
+                    self.on_batch(len(staged.taken), len({c.client for c, _ in staged.taken}), staged.seconds)
+                except Exception:  # noqa: BLE001 - a metrics callback never stops the batcher
+                    logger.exception("shared batch: on_batch raised")
+
+    def _hand_back(self, staged: _Staged) -> None:
+        if staged.error is not None or staged.y is None:
+            error = staged.error or RuntimeError("the forward pass returned nothing")
+            for call, _ in staged.taken:
+                call.fail(error)
+            return
+        y = staged.y
+        for j, (call, k) in enumerate(staged.taken):
+            if call.done.is_set():  # cancelled or failed meanwhile
                 continue
-            y = staged.y
-            requests = len({call.client for call, _ in staged.taken})
-            for j, (call, k) in enumerate(staged.taken):
-                call.outputs[k] = y[j]
-                call.left -= 1
-                if call.left == 0:
-                    call.done.set()
-            if self.on_batch is not None:
-                self.on_batch(len(staged.taken), requests, staged.seconds)
+            call.outputs[k] = y[j]
+            call.left -= 1
+            if call.left == 0:
+                call.done.set()
 
     def _fail_all(self, exc: BaseException) -> None:
         for queue_ in self._queues.values():
             for call, _ in queue_:
-                call.error = exc
-                call.done.set()
+                call.fail(exc)
         self._queues.clear()
 
 

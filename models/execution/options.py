@@ -38,8 +38,9 @@ class RunOptions:
         tiled: runs each tiled pass elsewhere (:class:`models.model.TiledPass`, a Dask cluster);
             it takes neither :attr:`resume` nor :attr:`seam`.
         reuse: which tiles are not run and the count of those that were not
-            (:class:`tiling.TileReuse`: constant tiles computed once, tiles outside a slide's
-            tissue mask fed as blank glass). ``None``: the engine's default (constant tiles reused).
+            (:class:`tiling.TileReuse`: constant tiles computed once, including a slide's
+            background, which its region source returns as blank glass). ``None``: the engine's
+            default (constant tiles reused).
     """
 
     progress: bool | Callable[[int], object] = False

@@ -24,9 +24,9 @@ and reorient before the network and invert after). Three steps, each skipped whe
    Labels are made only after that, by argmax over the resampled probabilities (label ids are never
    interpolated), slab by slab, so no ``C_out``-channel float volume at the input resolution exists.
 
-This module plans (pure arithmetic: :func:`plan_geometry` gives a :class:`GeometryPlan`);
+This module only plans: pure arithmetic, :func:`plan_geometry` returns a :class:`GeometryPlan`.
 :mod:`models.geometry.resample` moves the arrays (``to_model``, ``from_model_probabilities``,
-``from_model_labels``) and states the interpolation convention of each rule;
+``from_model_labels``) and states each rule's interpolation convention.
 :attr:`GeometryPlan.model_affine` maps the model grid's voxels to the world points that were sampled.
 
 Raises :class:`GeometryError` (a :class:`~models.errors.InputError`, HTTP 422) for geometry that

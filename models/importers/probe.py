@@ -74,6 +74,8 @@ class NetworkFacts:
         tile_dependent: the tile-dependence probe's verdict.
         seconds: wall time of all probes.
         alignment_per_axis: the smallest size divisor of each axis (their lcm is ``alignment``).
+        fixed_shape: the one tile shape (voxels per axis) a fixed-window network takes (module
+            docstring, step 4), ``None`` for a network that runs at any aligned size.
     """
 
     spatial_dims: int

@@ -129,14 +129,19 @@ def retry_smaller(
 ) -> tuple[T, RunPlan]:
     """``run(plan, options.resume)``; when the device runs out of memory, again from the start
     with the next smaller plan (:func:`shrink_plan`: half the batch, then half the tile), until it
-    fits or nothing shrinks (the error is raised). ``options.replanned`` is told each smaller plan.
+    fits or nothing shrinks (the error is raised). ``options.replanned`` is told each smaller plan;
+    ``options.reuse``'s counts go back to where they were before each failed attempt.
     Returns the result and the plan that made it."""
     resume = None if options is None else options.resume
     replanned = None if options is None else options.replanned
+    reuse = None if options is None else options.reuse
+    counts = None if reuse is None else reuse.counts()  # a retry counts its tiles once
     while True:
         try:
             return run(plan, resume), plan
         except DeviceOutOfMemoryError as exc:
+            if reuse is not None and counts is not None:
+                reuse.rewind(counts)
             smaller = shrink_plan(plan, spec)
             if smaller is None:
                 raise

@@ -300,7 +300,7 @@ class JobService:
                     if tiled is not None:
                         stack.enter_context(tiled)
                     elif self.batches is not None:
-                        stack.enter_context(self.batches.bind(model))
+                        stack.enter_context(self.batches.bind(model, should_stop))
                     if prepared is not None:
                         execute(prepared, RunOptions(progress.tiles, should_stop))
                         return None

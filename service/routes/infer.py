@@ -187,11 +187,11 @@ def _execute(
         metrics.stage_seconds.labels("queue").observe(time.perf_counter() - queued_at)
     model = prepared.model
     tiles = metrics.tiles.labels(model.spec.name)
-    shared = batches.bind(model) if batches is not None else contextlib.nullcontext()
+    stopper = deadline.should_stop(stop.is_set) if deadline is not None else stop.is_set
+    shared = batches.bind(model, stopper) if batches is not None else contextlib.nullcontext()
     try:
         running = deadline.running() if deadline is not None else contextlib.nullcontext()
         with shared, running:
-            stopper = deadline.should_stop(stop.is_set) if deadline is not None else stop.is_set
             execute(prepared, RunOptions(tiles.inc, stopper))
     except BaseException:
         prepared.close()
@@ -235,9 +235,9 @@ def _work(
     model = _loaded(repository, name)
     tiles = metrics.tiles.labels(model.spec.name)
     deadline = RunDeadline.of(limits)  # stops a run past twice max_request_seconds (422)
-    shared = batches.bind(model) if batches is not None else contextlib.nullcontext()
+    stopper = deadline.should_stop(stop.is_set)
+    shared = batches.bind(model, stopper) if batches is not None else contextlib.nullcontext()
     with shared, deadline.running():  # TILEWISE_SHARED_REQUESTS > 1: forward passes shared
-        stopper = deadline.should_stop(stop.is_set)
         options = RunOptions(progress=tiles.inc, should_stop=stopper)
         result = run_file(model, source, stem, params, limits=limits, options=options)
     for stage, seconds in result.stages.items():

@@ -110,3 +110,52 @@ def test_nan_tile_is_never_constant_and_torch_batches_share_the_cache():
     y = tiled_inference(t, net, 12, halo=2, reuse=stats)
     assert stats.n_run == 1 and stats.n_tiles == 3 * TileGrid.plan((30, 30), 12, 2).n_tiles
     np.testing.assert_allclose(y[0].numpy(), whole(net, t[0].numpy()), atol=1e-5)
+
+
+class _Syncs(torch.overrides.TorchFunctionMode):
+    """Counts the calls that move a tensor's values to the host (each a device sync on CUDA)."""
+
+    NAMES = {"cpu", "item", "tolist", "numpy", "__bool__", "equal", "__index__", "__int__", "__float__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES or (name == "to" and "cpu" in map(str, (*args[1:], *(kwargs or {}).values()))):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _keys_oracle(data, filled, constant):
+    """Per tile: the bytes of its per-channel value when every value of each channel is equal
+    (numpy; NaN never), and reuse is on or the tile was filled."""
+    out = []
+    for k, tile in enumerate(data.numpy()):
+        flat = tile.reshape(tile.shape[0], -1)
+        same = bool(np.all(flat == flat[:, :1]))
+        out.append(flat[:, 0].tobytes() if same and (constant or filled[k]) else None)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int16])
+@pytest.mark.parametrize("constant", [True, False])
+def test_keys_of_a_batch_take_one_transfer_and_match_per_tile_keys(dtype, constant):
+    """Review item 9: one reduction and one host transfer per batch (not one per tile), same keys."""
+    rng = np.random.default_rng(3)
+    tiles = rng.normal(size=(13, 3, 7, 5)) * 50
+    tiles[[0, 4, 9]] = 7.0  # constant, every channel the same
+    tiles[[2, 11]] = np.array([1.0, -2.0, 0.0])[:, None, None]  # constant per channel
+    tiles[5] = -0.0
+    tiles[6, 1] = 3.0  # one channel constant only: not a constant tile
+    data = torch.from_numpy(tiles).to(dtype)
+    if dtype.is_floating_point:
+        data[12] = 0.0
+        data[12, 0, 0, 0] = float("nan")  # NaN is never constant
+    filled = [k % 2 == 0 for k in range(13)]
+    with _Syncs() as syncs:
+        keys = TileReuse(constant=constant).keys(data, filled)
+    assert keys == _keys_oracle(data, filled, constant)
+    assert sum(key is not None for key in keys) >= (6 if constant else 3)
+    assert syncs.n <= 2, syncs.n
