@@ -80,7 +80,11 @@ class ModelRepository:
         self.measurements = (
             None
             if measurements_dir is False
-            else MeasurementStore(self.models_dir, None if measurements_dir is True else measurements_dir)
+            else MeasurementStore(
+                self.models_dir,
+                None if measurements_dir is True else measurements_dir,
+                also_beside=() if user is None else (user,),
+            )
         )
         self._warm: set[str] = set()
         self.device = device

@@ -209,10 +209,11 @@ def open_slide_source(path: Path, header: Any, spec: Any, params: Any) -> SlideR
     return open_slide_regions(path, info, resolution, mask=str(params.mask or "auto") == "auto")
 
 
-def expected_skipped(plan: Any, regions: Any) -> Any:
+def expected_skipped(plan: Any, regions: Any, spec: Any = None) -> Any:
     """``plan`` with :attr:`~models.RunPlan.skipped` set to the tiles a slide's tissue mask leaves
     unrun (its background tiles but those of the first batch that holds any), when ``regions`` has a mask, and
-    the warning of a slide whose mpp is missing or implausible."""
+    the warning of a slide whose mpp is missing or implausible. Counted once per pass: once for a
+    ``spec`` that flips inside each tile (:func:`models.execution.execute.flips_in_tiles`)."""
     import dataclasses
 
     resolution = getattr(regions, "resolution", None)
@@ -229,7 +230,10 @@ def expected_skipped(plan: Any, regions: Any) -> Any:
     # background tiles runs them all (tiling.reuse), every later one is a copy
     first = next((flags[i : i + batch] for i in range(0, len(flags), batch) if any(flags[i : i + batch])), [])
     skipped = sum(flags) - sum(first)
-    return dataclasses.replace(plan, skipped=skipped * len(plan.flips))
+    from models.execution.execute import flips_in_tiles
+
+    passes = 1 if spec is not None and flips_in_tiles(spec) else len(plan.flips)
+    return dataclasses.replace(plan, skipped=skipped * passes)
 
 
 def slide_fields(path: Path, header: Any, spec: Any, params: Any, plan: Any) -> dict[str, Any]:
@@ -246,7 +250,7 @@ def slide_fields(path: Path, header: Any, spec: Any, params: Any, plan: Any) -> 
     if str(p.mask or "auto") == "auto":
         regions = open_slide_regions(path, info, resolution, mask=True)
         try:
-            fields["plan"] = expected_skipped(plan, regions)
+            fields["plan"] = expected_skipped(plan, regions, spec)
         finally:
             regions.close()
     return fields

@@ -253,7 +253,7 @@ def prepare(
         seam = model.seam_stats(plan)
         from service.slides import expected_skipped
 
-        plan = expected_skipped(plan, regions)
+        plan = expected_skipped(plan, regions, model.spec)
         if limits.budget is not None:
             footprint = model.footprint()
             limits.budget.check_plan(plan, int(spec.in_channels), int(spec.out_channels),

@@ -38,6 +38,12 @@ __all__ = ["CONTEXT_WHOLE_FACTOR", "MirroredTiles", "execute_plan", "prepare_con
 CONTEXT_WHOLE_FACTOR = 4
 
 
+def flips_in_tiles(spec: Any) -> bool:
+    """Whether ``tta=mirror`` flips each tile inside one pass (a centred placement averaging logits,
+    as nnU-Net mirrors inside each window) rather than running one pass per flip of the image."""
+    return spec.padding is not Placement.END and spec.output.tta_average == "logits"
+
+
 def execute_plan(
     model: Model,
     x: npt.NDArray[np.float32],
@@ -66,8 +72,7 @@ def execute_plan(
     labels = plan.output == OutputKind.LABELS
     # nnU-Net mirrors inside each window (logits averaged there): flipping the whole image would move
     # a centred window's padding and origins, so a centred placement flips each tile instead
-    tiled = options.tiled
-    in_tiles = spec.padding is not Placement.END and spec.output.tta_average == "logits" and tiled is None
+    in_tiles = flips_in_tiles(spec) and options.tiled is None
     if len(plan.flips) == 1 or in_tiles:
         target = out[None] if out is not None and labels else out
         reduce = make_reduce(spec.activation, plan.output.value)

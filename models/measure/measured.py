@@ -12,11 +12,13 @@ SHA-256 (the spec's ``sha256``, else the file's digest), the device (``cpu``, ``
 thread count (the footprint's seconds depend on it), the tilewise version and :data:`FORMAT`. Any
 change to one of them is another file: nothing stale is read.
 
-Where: beside the model, ``<models_dir>/.tilewise-measured/<name>-<key16>.json``, for a spec of
-the model folder when that folder is writable; else (built-in models, a read-only folder) in
-``cache_dir`` (default :data:`DEFAULT_MEASUREMENTS_DIR`, ``TILEWISE_MEASUREMENTS_DIR``). Both are
-read, beside first. A file that cannot be read or parsed is ignored (measured again); a file that
-cannot be written is logged and skipped: the cache never fails a start.
+Where: beside the model, ``<folder>/.tilewise-measured/<name>-<key16>.json``, for a spec of
+the model folder or of the folder ``tilewise setup-models`` fills (whichever folder the server is
+started on, so a restart with another ``--models`` keeps them) when that folder is writable;
+else (built-in models, a read-only folder) in ``cache_dir`` (default
+:data:`DEFAULT_MEASUREMENTS_DIR`, ``TILEWISE_MEASUREMENTS_DIR``). Both are read, beside first.
+A file that cannot be read or parsed is ignored (measured again); a file that cannot be written
+is logged and skipped: the cache never fails a start.
 """
 
 from __future__ import annotations
@@ -173,10 +175,17 @@ class MeasurementStore:
     Args:
         models_dir: the model folder; measurements of its specs are kept beside them when writable.
         cache_dir: the folder for the others (default :data:`DEFAULT_MEASUREMENTS_DIR`).
+        also_beside: further model folders whose specs keep theirs beside them (the folder
+            ``tilewise setup-models`` fills).
     """
 
-    def __init__(self, models_dir: Path | None, cache_dir: Path | str | None = None) -> None:
+    def __init__(
+        self, models_dir: Path | None, cache_dir: Path | str | None = None, also_beside: tuple[Path, ...] = ()
+    ) -> None:
         self.models_dir = None if models_dir is None else Path(models_dir).resolve()
+        self._beside = {Path(d).expanduser().resolve() for d in also_beside}
+        if self.models_dir is not None:
+            self._beside.add(self.models_dir)
         self.cache_dir = Path(cache_dir if cache_dir is not None else DEFAULT_MEASUREMENTS_DIR).expanduser()
         self._keys: dict[tuple[str, str], str] = {}
 
@@ -191,8 +200,8 @@ class MeasurementStore:
         name = f"{spec.name}-{self._key(spec, device)[:16]}.json"
         found = []
         source = spec.source
-        if self.models_dir is not None and source is not None and Path(source).parent == self.models_dir:
-            found.append(self.models_dir / BESIDE / name)
+        if source is not None and Path(source).resolve().parent in self._beside:
+            found.append(Path(source).resolve().parent / BESIDE / name)
         found.append(self.cache_dir / name)
         return found
 

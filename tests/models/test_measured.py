@@ -139,3 +139,24 @@ def test_read_only_model_folder_uses_the_cache_dir(tmp_path: Path) -> None:
         models_dir.chmod(0o755)
     assert not (models_dir / ".tilewise-measured").exists()
     assert list(cache.glob("stack-*.json"))
+
+
+def test_setup_models_folder_keeps_its_measurements_across_another_models_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The models ``setup-models`` installs (the user folder) keep their measurements beside them
+    whichever ``--models`` folder the server starts on (a fresh-user trial re-measured
+    ``brain-mask-3d`` and ``text-det-2d``, 43 s, after restarting with ``--models my-models``)."""
+    from models import ModelRepository
+
+    user, cache = tmp_path / "user", tmp_path / "cache"
+    user.mkdir()
+    _stack_model(user)
+    first = ModelRepository(tmp_path / "none", device="cpu", measurements_dir=cache, user_models_dir=user)
+    first.warmup(["stack"])
+    assert list((user / ".tilewise-measured").glob("stack-*.json"))
+    mine = tmp_path / "my-models"
+    mine.mkdir()
+    _forbid_measuring(monkeypatch)
+    second = ModelRepository(mine, device="cpu", measurements_dir=cache, user_models_dir=user)
+    second.warmup(["stack"])
