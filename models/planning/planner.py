@@ -279,7 +279,8 @@ def size_plan(
                 shape, t, halo, overlap=overlap, alignment=align, scale=spec.scale,
                 blend=blend.value, fixed_tile_shape=fixed, placement=place,
             )  # fmt: skip
-            if output_on_disk and not fixed and window is None:  # streamed: memory follows the tile
+            # streamed: memory follows the tile; a given tile is a limit on the fewest tiles (kept)
+            if output_on_disk and not fixed and window is None and not tile_given:
                 grid = smaller_tiles(
                     grid, lambda u: TileGrid.plan(
                         shape, u, halo, overlap=overlap, alignment=align, scale=spec.scale,

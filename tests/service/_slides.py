@@ -81,6 +81,31 @@ def _tiles(level: int, lshape: tuple[int, int], tile: int, shape, tissue):
             yield block
 
 
+def _encoded(tiles, compression: str):
+    """``tiles`` as compressed bytes (tifffile writes an iterator of bytes as they are), each
+    distinct tile compressed once: a slide's glass tiles are one tile (blake2b of the pixels)."""
+    import hashlib
+
+    import imagecodecs
+
+    encode = {"zstd": imagecodecs.zstd_encode, "zlib": imagecodecs.zlib_encode}[compression]
+    done: dict[bytes, bytes] = {}
+    for block in tiles:
+        key = hashlib.blake2b(block.tobytes(), digest_size=16).digest()
+        data = done.get(key)
+        if data is None:
+            data = encode(block)
+            if len(done) < 64:
+                done[key] = data
+        yield data
+
+
+def _level_tiles(level, lshape, tile, shape, tissue, compression):
+    """The tiles of one level: arrays for JPEG (tifffile encodes them), compressed bytes else."""
+    tiles = _tiles(level, lshape, tile, shape, tissue)
+    return tiles if compression == "jpeg" else _encoded(tiles, compression)
+
+
 def _thumbnail(shapes, shape, tissue, side: int = 1024) -> np.ndarray:
     """The lowest level, built tile by tile, then every ``k``-th pixel so that it is at most ``side``."""
     k = len(shapes) - 1
@@ -114,7 +139,12 @@ def write_svs(path: Path, shape=(3000, 4000), n_levels=3, mpp=0.25, tissue=(0.3,
     kw = {"photometric": "rgb", "compression": compression, "tile": (tile, tile), "dtype": np.uint8,
           "metadata": None}  # fmt: skip
     with tifffile.TiffWriter(path, bigtiff=H * W * 3 > 2**31) as tif:
-        tif.write(_tiles(0, shapes[0], tile, shape, tissue), shape=(H, W, 3), description=desc, **kw)
+        tif.write(
+            _level_tiles(0, shapes[0], tile, shape, tissue, compression),
+            shape=(H, W, 3),
+            description=desc,
+            **kw,
+        )
         thumb = _thumbnail(shapes, shape, tissue)
         tif.write(
             thumb,
@@ -124,7 +154,7 @@ def write_svs(path: Path, shape=(3000, 4000), n_levels=3, mpp=0.25, tissue=(0.3,
         )
         for level in range(1, n_levels):
             h, w = shapes[level]
-            tif.write(_tiles(level, (h, w), tile, shape, tissue), shape=(h, w, 3),
+            tif.write(_level_tiles(level, (h, w), tile, shape, tissue, compression), shape=(h, w, 3),
                       description=f"Aperio Image Library v12.0.15 \r\n{W}x{H} -> {w}x{h}", **kw)  # fmt: skip
     return path
 
@@ -141,11 +171,16 @@ def write_ome(path: Path, shape=(3000, 4000), n_levels=3, mpp=0.25, tissue=(0.3,
             "PhysicalSizeYUnit": "µm"}  # fmt: skip
     with tifffile.TiffWriter(path, bigtiff=H * W * 3 > 2**31, ome=True) as tif:
         res = {"resolution": (1e4 / mpp, 1e4 / mpp), "resolutionunit": "CENTIMETER"}
-        tif.write(_tiles(0, shapes[0], tile, shape, tissue), shape=(H, W, 3), subifds=n_levels - 1,
-                  metadata=meta, **res, **kw)  # fmt: skip
+        level0 = _level_tiles(0, shapes[0], tile, shape, tissue, compression)
+        tif.write(level0, shape=(H, W, 3), subifds=n_levels - 1, metadata=meta, **res, **kw)
         for level in range(1, n_levels):
             h, w = shapes[level]
-            tif.write(_tiles(level, (h, w), tile, shape, tissue), shape=(h, w, 3), subfiletype=1, **kw)
+            tif.write(
+                _level_tiles(level, (h, w), tile, shape, tissue, compression),
+                shape=(h, w, 3),
+                subfiletype=1,
+                **kw,
+            )
     return path
 
 

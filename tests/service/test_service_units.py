@@ -74,7 +74,8 @@ def test_option_lists_match_the_engine_and_the_codecs() -> None:
     from tiling import BlendMode
 
     assert [b.value for b in Blend] == [mode.value for mode in BlendMode]
-    suffixes = {f.value: "." + f.value for f in OutputFormat} | {"dicom-seg": ".dcm"}
+    suffixes = {f.value: "." + f.value for f in OutputFormat}
+    suffixes |= {"dicom-seg": ".dcm", "ome.zarr": ".ome.zarr.zip"}
     assert FORMAT_SUFFIXES == OUTPUT_FORMATS == suffixes
 
 
