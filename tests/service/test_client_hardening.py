@@ -317,6 +317,23 @@ def http_server(request: pytest.FixtureRequest) -> Iterator[_HTTPServer]:
     server.server_close()
 
 
+def _interruptible() -> None:
+    """In the child before exec: SIGINT to its default, so Python installs its Ctrl-C handler even
+    when the tests run where SIGINT is ignored (a shell's background job: ``.ci/run &``)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate(timeout=...)``; on a timeout the client is killed and its pipes read to
+    the end (closed) before the failure is raised."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+
+
 def _batch(args: list[str], **kwargs) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILEWISE_")}
     return subprocess.Popen(
@@ -325,6 +342,7 @@ def _batch(args: list[str], **kwargs) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=_interruptible,
         **kwargs,
     )
 
@@ -342,7 +360,7 @@ def test_cli_read_only_output_dir_exits_2_with_one_line(
 ) -> None:
     inputs = _tree(tmp_path / "in", ["a.nii.gz", "b.nii.gz"])
     proc = _batch([str(inputs), str(read_only_dir), "--url", http_server.url])
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = _communicate(proc, 60)
     assert proc.returncode == 2, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "not writable" in lines[0] and "Traceback" not in stderr
@@ -364,7 +382,7 @@ def test_cli_first_ctrl_c_finishes_files_in_flight_and_reports_them_done(
     proc = _batch([str(inputs), str(out), "--url", http_server.url, "--concurrency", "2"])
     _wait_for(lambda: http_server.posts >= 2)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = _communicate(proc, 60)
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
     files = _report(out)
     done = {k for k, (status, _) in files.items() if status == "done"}
@@ -387,7 +405,7 @@ def test_cli_second_ctrl_c_aborts_transfers_cleanly(tmp_path: Path, http_server:
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=30)
+    _, stderr = _communicate(proc, 30)
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
     files = _report(out)
     aborted = {k for k, (status, error) in files.items() if status == "failed" and "aborted" in error}

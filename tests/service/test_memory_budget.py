@@ -77,8 +77,14 @@ def test_no_request_raises_rss_beyond_the_budget(server: Server) -> None:
         pytest.skip("/proc/PID/clear_refs is not writable here")
     rises = []
     with httpx.Client(timeout=300) as client:
-        # One round first: allocator pools, thread pools and lazy imports are paid once per process.
-        for model, query, body, _ in CASES[:2]:
+        # One round first: allocator pools, thread pools and lazy imports are paid once per process,
+        # and each model's warm-up measurements (receptive field, footprint: the server of a test
+        # skips its warm-up, so a model's first request measures it) once per model.
+        first_of_each: list[tuple] = []
+        for case in CASES:
+            if case[3] == 200 and case[0] not in {c[0] for c in first_of_each}:
+                first_of_each.append(case)
+        for model, query, body, _ in [*CASES[:2], *first_of_each]:
             client.post(f"{server.url}/v1/models/{model}/infer?{query}", content=body())
         for model, query, make_body, status in CASES:
             body = make_body()
