@@ -6,7 +6,7 @@ from typing import Any
 
 from models.planning.params import InferenceParams
 
-__all__ = ["error_doc", "params_doc"]
+__all__ = ["error_doc", "params_doc", "result_content"]
 
 
 #: The JSON error body of every refusal (``service.http_errors``).
@@ -20,6 +20,14 @@ ERROR_SCHEMA: dict[str, Any] = {
         "request_id": {"type": "string", "description": "The id of the request (`X-Request-ID`)."},
     },
 }
+
+
+def result_content() -> dict[str, Any]:
+    """The ``content`` of a result response: one entry per content type an output format has
+    (:data:`service.pipeline.MEDIA_TYPES`), for the synchronous route and a job's result alike."""
+    from service.pipeline import MEDIA_TYPES
+
+    return {media_type: {} for media_type in dict.fromkeys(MEDIA_TYPES.values())}
 
 
 def error_doc(code: str, description: str) -> dict[str, Any]:

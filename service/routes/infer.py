@@ -31,7 +31,7 @@ from service.http_errors import classify
 from service.metrics import Metrics
 from service.pipeline import InferenceResult, Limits, prepare_file, run_file
 from service.requestid import current_request_id
-from service.routes.docs import error_doc, params_doc
+from service.routes.docs import error_doc, params_doc, result_content
 from service.stages import Prepared, RunOptions, execute, finish, result_headers
 from service.upload import Pace, receive_upload
 
@@ -53,17 +53,7 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
         "run; `X-Tilewise-Warning` says (one "
         "sentence) when a given halo is below a local model's receptive-field radius.",
         "content": {
-            **{
-                t: {}
-                for t in (
-                    "application/gzip",
-                    "image/png",
-                    "image/tiff",
-                    "application/octet-stream",
-                    "application/geo+json",
-                    "application/zip",
-                )
-            },
+            **result_content(),
             "application/json": {
                 "schema": {"type": "object"},
                 "example": {

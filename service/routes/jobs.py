@@ -41,7 +41,7 @@ from service.jobs.dicomweb_job import DICOMWEB_KEYS, dicomweb_request, pull_job_
 from service.jobs.store import INPUT_FILE
 from service.precheck import Limits
 from service.requestid import current_request_id
-from service.routes.docs import error_doc, params_doc
+from service.routes.docs import error_doc, params_doc, result_content
 from service.security import Principal, require_api_key
 from service.upload import Pace, receive_upload
 
@@ -353,17 +353,7 @@ def _no_result(job_id: str, record: JobRecord) -> str:
     responses={
         200: {
             "description": "The output file, as the synchronous endpoint returns it (same headers).",
-            "content": {
-                t: {}
-                for t in (
-                    "application/gzip",
-                    "image/png",
-                    "image/tiff",
-                    "application/octet-stream",
-                    "application/geo+json",
-                    "application/zip",
-                )
-            },
+            "content": result_content(),
         },
         404: _UNKNOWN,
         409: error_doc("job_not_done", "The job is not done (yet, or it failed or was cancelled)."),
