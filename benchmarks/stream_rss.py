@@ -294,17 +294,17 @@ def http(model_name: str, source: Path, job: bool, folder: Path) -> dict[str, An
                 size = 0
                 if url is None:
                     with client.stream("POST", f"/v1/models/{model_name}/infer", content=body) as resp:
-                        code = resp.status_code
+                        code, plan = resp.status_code, resp.headers.get("X-Tilewise-Plan", "")
                         for chunk in resp.iter_bytes(1 << 20):
                             size += len(chunk)
                 else:
                     with client.stream("GET", url) as resp:
-                        code = resp.status_code
+                        code, plan = resp.status_code, resp.headers.get("X-Tilewise-Plan", "")
                         for chunk in resp.iter_bytes(1 << 20):
                             size += len(chunk)
             peak = kib("VmHWM:")
         return {"model": model_name, "input": source.name, "route": "job" if job else "sync", "status": code,
-                "peak_mib": round((peak - base) / 1024, 1), "size_mib": round(size / 2**20, 1),
+                "peak_mib": round((peak - base) / 1024, 1), "size_mib": round(size / 2**20, 1), "plan": plan,
                 "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
     finally:
         server.terminate()

@@ -90,9 +90,12 @@ MEDIA_TYPES = {
 class Checkpoint(Protocol):
     """Where a resumable run keeps its output (a job's memmap, :mod:`service.jobs.checkpoint`)."""
 
-    def start(self, plan: RunPlan, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[Any, Resume]:
-        """The ``out`` array of ``shape`` and ``dtype`` for ``plan`` (holding the rows a stopped run
-        of the same plan finished) and the :class:`tiling.Resume` that continues from them."""
+    def start(
+        self, plan: RunPlan, shape: tuple[int, ...], dtype: np.dtype[Any], order: str = "C"
+    ) -> tuple[Any, Resume]:
+        """The ``out`` array of ``shape`` and ``dtype`` for ``plan``, in memory ``order`` (``"C"``, or
+        ``"F"`` for the Fortran order of a NIfTI output), holding the rows a stopped run of the same
+        plan finished, and the :class:`tiling.Resume` that continues from them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -282,7 +282,9 @@ def prepare(
             from service.paged import paged
             from service.pipeline import _output_layout
 
-            kept, prepared.resume = checkpoint.start(plan, *_output_layout(spec, plan))
+            # the checkpoint in the output's memory order: finish copies it slab by slab
+            order = "F" if fmt in ("nii", "nii.gz") else "C"
+            kept, prepared.resume = checkpoint.start(plan, *_output_layout(spec, plan), order=order)
             prepared.kept = paged(kept) if isinstance(kept, np.memmap) else kept
         prepared.stages["prepare"] = time.perf_counter() - started
         ready = True
@@ -296,12 +298,30 @@ def prepare(
             tmp.cleanup()
 
 
+#: Bytes of one block that :func:`_copy_slabs` copies between two same-ordered files.
+COPY_BYTES = 16 << 20
+
+
 def _copy_slabs(source: Any, target: Any, lead: int, block: int = 64) -> None:
-    """``target[...] = source`` block by block: ``block`` voxels along axis ``lead`` (the first
-    spatial axis) and along the last axis, every other axis whole. Source (C order, the
-    checkpoint) and target (Fortran order, a NIfTI) are contiguous along different axes, so a slab
-    along either one alone would touch every page of the other; a block touches a bounded number
-    of both, which :class:`~service.paged.PagedMemmap` hands back as it goes."""
+    """``target[...] = source``, the checkpoint into the output, with the pages of both handed back
+    as it goes (:class:`~service.paged.PagedMemmap`).
+
+    A Fortran-ordered ``source`` (the checkpoint of a NIfTI output, in the target's order) goes in
+    slabs of at most :data:`COPY_BYTES` along the last axis, the slowest in both files: each slab
+    is contiguous in each, and its pages are handed back before the next, so the resident memory of
+    the copy is two slabs whatever the volume's extent. Otherwise (C order) it goes block by block:
+    ``block`` voxels along axis ``lead`` (the first spatial axis) and along the last axis, every
+    other axis whole."""
+    if source.ndim > 1 and source.flags.f_contiguous and not source.flags.c_contiguous:
+        last = int(source.shape[-1])
+        step = max(1, COPY_BYTES // max(1, source.nbytes // max(1, last)))
+        for z in range(0, last, step):
+            target[..., z : z + step] = np.asarray(source[..., z : z + step])
+            for array in (source, target):
+                drop = getattr(array, "drop", None)
+                if callable(drop):
+                    drop()
+        return
     first, last = int(source.shape[lead]), int(source.shape[-1])
     spans_last = [(0, last)] if source.ndim - 1 == lead else [(z, z + block) for z in range(0, last, block)]
     for x in range(0, first, block):

@@ -1,7 +1,9 @@
 """A job's partial output on disk, and the record of its finished slabs.
 
 The network's output goes to ``partial.npy`` in the job's folder, a ``.npy`` memmap of the whole
-result (``(C_out, *spatial)`` float32/float16 values, or ``(*spatial)`` uint8 labels). The engine
+result (``(C_out, *spatial)`` float32/float16 values, or ``(*spatial)`` uint8 labels), in the
+memory order of the output it is copied to at the end (Fortran for a NIfTI, so that the copy goes
+slab by slab along the last axis, contiguous in both files; C otherwise). The engine
 writes it slab by slab along axis 0; a *slab* is the output of one tile row (every tile with the
 same index along axis 0), final once the row's last tile is merged (:mod:`tiling.resume`). Each
 finished slab is flushed (``msync``), then recorded in the job's ``state.json``
@@ -55,14 +57,18 @@ class SlabCheckpoint:
         self.on_start = on_start
         self._key: dict[str, Any] = {}
 
-    def start(self, plan: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[Any, Resume]:
-        """The memmap for ``plan`` and the :class:`tiling.Resume` that continues the saved run."""
+    def start(
+        self, plan: Any, shape: tuple[int, ...], dtype: np.dtype[Any], order: str = "C"
+    ) -> tuple[Any, Resume]:
+        """The memmap for ``plan`` (memory ``order`` ``"C"`` or ``"F"``) and the
+        :class:`tiling.Resume` that continues the saved run."""
         key = {
             "plan": plan.header(),
             "grid": list(plan.grid.grid_shape),
             "batch_size": int(plan.batch_size),
             "shape": list(shape),
             "dtype": str(dtype),
+            "order": order,
         }
         self._key = key
         rows = 0
@@ -74,12 +80,14 @@ class SlabCheckpoint:
             except (OSError, ValueError) as exc:
                 logger.warning("%s unreadable (%s): starting over", self.path, exc)
             else:
-                if out.shape == tuple(shape) and out.dtype == dtype:
+                if out.shape == tuple(shape) and out.dtype == dtype and _order(out) == order:
                     rows = int(saved.get("rows_done", 0))
                 else:  # pragma: no cover - the key names shape and dtype
                     out = None
         if out is None:
-            out = np.lib.format.open_memmap(self.path, mode="w+", dtype=dtype, shape=tuple(shape))
+            out = np.lib.format.open_memmap(
+                self.path, mode="w+", dtype=dtype, shape=tuple(shape), fortran_order=order == "F"
+            )
             self.save({"key": key, "rows_done": 0})
         point = resume_point(plan.grid, rows, int(plan.batch_size))
         self.on_start(plan, point)
@@ -87,3 +95,8 @@ class SlabCheckpoint:
 
     def _rows_done(self, rows: int) -> None:
         self.save({"key": self._key, "rows_done": rows})
+
+
+def _order(array: np.ndarray) -> str:
+    """``"F"`` for a Fortran-ordered array of more than one dimension, else ``"C"``."""
+    return "F" if array.ndim > 1 and array.flags.f_contiguous and not array.flags.c_contiguous else "C"

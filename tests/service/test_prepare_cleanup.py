@@ -23,7 +23,7 @@ from service.pipeline import Limits, prepare_file
 class _StartFails:
     """A job checkpoint whose start fails (a full disk, a corrupt partial file)."""
 
-    def start(self, plan: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    def start(self, plan: Any, shape: tuple[int, ...], dtype: Any, order: str = "C") -> Any:
         raise OSError("the checkpoint cannot be opened")
 
 
