@@ -30,7 +30,7 @@ import numpy as np
 
 from service.errors import DecodeError
 
-__all__ = ["NiftiRegions", "RegionSource", "TiffRegions", "open_regions", "why_not_regions"]
+__all__ = ["NiftiRegions", "RegionSource", "TiffRegions", "full_slices", "open_regions", "why_not_regions"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,12 @@ class RegionSource:
         raise NotImplementedError
 
 
-def _full(key: Any, ndim: int) -> tuple[slice, ...]:
+def full_slices(key: Any, ndim: int) -> tuple[slice, ...]:
+    """``key`` as one slice per axis of ``ndim`` (missing axes whole).
+
+    Raises:
+        TypeError: a key that is not slices with step 1.
+    """
     key = key if isinstance(key, tuple) else (key,)
     key = tuple(key) + (slice(None),) * (ndim - len(key))
     if any(not isinstance(k, slice) or k.step not in (None, 1) for k in key):
@@ -119,7 +124,7 @@ class NiftiRegions(RegionSource):
     def __getitem__(self, key: Any) -> np.ndarray:
         from nibabel.fileslice import fileslice
 
-        c, *spatial = _full(key, self.ndim)
+        c, *spatial = full_slices(key, self.ndim)
         with open(self.path, "rb") as fh:
             raw = fileslice(fh, (*spatial, c), self.file_shape, self.stored, self.offset, order="F")
         return np.ascontiguousarray(np.moveaxis(self._scaled(np.asarray(raw)), -1, 0))
@@ -160,7 +165,7 @@ class TiffRegions(RegionSource):
         self._store.close()
 
     def __getitem__(self, key: Any) -> np.ndarray:
-        c, *spatial = _full(key, self.ndim)
+        c, *spatial = full_slices(key, self.ndim)
         index: list[Any] = [slice(None)] * len(self.series_shape)
         kept = list(spatial)
         if self.channel is not None:
