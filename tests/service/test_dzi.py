@@ -23,6 +23,7 @@ from _inprocess import InProcessClient
 from PIL import Image
 
 from service import dzi
+from service.dzi import pyramids
 
 WIDTH, HEIGHT = 2999, 2503
 ALICE, BOB, ADMIN = "alice-key-0123456789", "bob-key-0123456789ab", "admin-key-0123456789"
@@ -134,8 +135,8 @@ def test_a_flat_tiff_seen_from_afar_reads_an_overview_never_the_whole_level(
 ) -> None:
     from skimage import data
 
-    monkeypatch.setattr(dzi, "MAX_READ_PIXELS", 300 * 300)
-    monkeypatch.setattr(dzi, "OVERVIEW_EDGE", 128)
+    monkeypatch.setattr(pyramids, "MAX_READ_PIXELS", 300 * 300)
+    monkeypatch.setattr(pyramids, "OVERVIEW_EDGE", 128)
     grey = np.tile(data.camera(), (2, 2))[:1001, :733]  # 733 x 1001, one level, strips
     path = tmp_path / "flat.tif"
     tifffile.imwrite(path, grey)
@@ -310,7 +311,7 @@ def test_a_big_gap_between_levels_never_reads_more_than_the_bound(
     of level 0; it now reads the coarser level, every request within MAX_READ_PIXELS."""
     from skimage import data
 
-    monkeypatch.setattr(dzi, "MAX_READ_PIXELS", 512 * 512)
+    monkeypatch.setattr(pyramids, "MAX_READ_PIXELS", 512 * 512)
     image = np.ascontiguousarray(np.tile(data.camera(), (4, 4)))  # 2048 x 2048 grey
     path = tmp_path / "gap.tif"
     with tifffile.TiffWriter(path, ome=True) as tw:  # OME: tifffile keeps a SubIFD level of any size
@@ -341,8 +342,8 @@ def test_an_overview_is_built_in_bounded_memory_and_locks_only_its_file(
 
     from skimage import data
 
-    monkeypatch.setattr(dzi, "MAX_READ_PIXELS", 1000 * 1000)
-    monkeypatch.setattr(dzi, "OVERVIEW_EDGE", 128)
+    monkeypatch.setattr(pyramids, "MAX_READ_PIXELS", 1000 * 1000)
+    monkeypatch.setattr(pyramids, "OVERVIEW_EDGE", 128)
     grey = np.ascontiguousarray(np.tile(data.camera(), (8, 8))[:4001, :3999])  # 16 Mpx, one level
     big, other = tmp_path / "big.tif", tmp_path / "other.tif"
     tifffile.imwrite(big, grey, tile=(256, 256))  # tiled: a band decodes only its own tiles
@@ -356,7 +357,7 @@ def test_an_overview_is_built_in_bounded_memory_and_locks_only_its_file(
         tracemalloc.stop()
     assert peak < 0.6 * 4001 * 3999, peak
     opened: list[Any] = []
-    with dzi._overview_lock(tmp_path / "big.tif.dzi-overview.npy"):
+    with pyramids._overview_lock(tmp_path / "big.tif.dzi-overview.npy"):
         worker = threading.Thread(target=lambda: opened.append(dzi.open_pyramid(other)), daemon=True)
         worker.start()
         worker.join(60)
@@ -390,4 +391,4 @@ def test_tile_requests_reuse_the_open_image_until_it_changes(tmp_path: Path) -> 
     path.unlink()
     with dzi.opened(other) as fourth:
         assert fourth.levels == [(512, 100)]
-    assert all(Path(key[0]).is_file() for key in dzi._OPEN)
+    assert all(Path(key[0]).is_file() for key in pyramids._OPEN)

@@ -11,6 +11,7 @@ import pytest
 import tifffile
 
 from service import dzi
+from service.dzi import pyramids
 from service.jobs.runner import ended_leftovers
 from service.jobs.store import INPUT_FILE, PARTIAL_FILE
 
@@ -18,8 +19,8 @@ from service.jobs.store import INPUT_FILE, PARTIAL_FILE
 def _folder(root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     from skimage import data
 
-    monkeypatch.setattr(dzi, "MAX_READ_PIXELS", 300 * 300)
-    monkeypatch.setattr(dzi, "OVERVIEW_EDGE", 64)
+    monkeypatch.setattr(pyramids, "MAX_READ_PIXELS", 300 * 300)
+    monkeypatch.setattr(pyramids, "OVERVIEW_EDGE", 64)
     root.mkdir()
     tifffile.imwrite(root / INPUT_FILE, data.camera()[:401, :333])
     dzi.open_pyramid(root / INPUT_FILE).close()  # the view, asked while queued: builds the overview

@@ -1,22 +1,14 @@
-"""Deep Zoom tiles of a job's input or result, read by region (issue 21 item 6).
+"""An image file as a pyramid of levels, read by box, for Deep Zoom tiles (issue 21 item 6).
 
-OpenSeadragon reads a Deep Zoom image as an XML descriptor (``.dzi``: ``TileSize``, ``Overlap``,
-``Format``, ``Size``) and a folder of tiles ``{level}_files/{level}/{col}_{row}.{format}``. Level
-``L`` of ``0 .. max_level`` (``max_level = ceil(log2(max(W, H)))``) is the image downsampled by
-``d = 2 ** (max_level - L)``: ``ceil(W / d) x ceil(H / d)`` pixels; tile ``(col, row)`` covers
-``[col*T - O, (col+1)*T + O)`` of it (``T`` tile size, ``O`` overlap), clipped to the level, so
-the last column and row are narrower and the image border carries no overlap::
-
-    W = 600, T = 256, O = 1, level max_level (d = 1):
-    col 0: x [0, 257)   col 1: x [255, 513)   col 2: x [511, 600)   (89 px: an edge tile)
+Shapes: a level's box is ``(h, w, C)`` in the file's dtype; ``levels[k] = (width, height)``.
 
 No tile is cut from a fully decoded level 0. A tile is read from the file's own pyramid level
 ``k`` with the largest downsample ``s_k <= d`` (tiffslide, from the ``slides`` extra, for
 pyramidal TIFF, SVS, NDPI and OME-TIFF; tifffile's zarr store for any other TIFF, or when
 tiffslide is not installed), only the level-``k`` box under the tile
-(``floor(x0 * d / s_k) .. ceil(x1 * d / s_k)``), and resized by Pillow to the tile's size (BOX for
-the input, NEAREST for an overlay, so label ids never mix). When even the coarsest level would
-need more than :data:`MAX_READ_PIXELS` for one tile (a flat TIFF seen from afar), an overview
+(``floor(x0 * d / s_k) .. ceil(x1 * d / s_k)``: :func:`source_box`), and resized to the tile's
+size (:mod:`service.dzi.render`). When even the coarsest level would need more than
+:data:`MAX_READ_PIXELS` for one tile (a flat TIFF seen from afar), an overview
 (``coarsest[::f, ::f]``, at most :data:`OVERVIEW_EDGE` a side) is made once, band by band (memory
 ``f`` rows of the coarsest level), and kept beside the file; it then serves as one more level.
 Where the file's next level is far coarser than the one a tile would read (a big gap between
@@ -25,59 +17,40 @@ finer one. So a request costs at most :data:`MAX_READ_PIXELS` decoded pixels, ex
 builds an overview (one pass over the coarsest level, memory one band; a lock per file). PNG and
 JPEG are one compressed stream: they are decoded whole (within Pillow's decompression-bomb limit),
 once for all their tiles (:func:`opened` keeps the last few files open).
-
-Pictures: the input as JPEG (RGB; grey or non-8-bit data stretched over the coarsest level's
-range); the result as RGBA PNG coloured like the page's legend: labels in
-:data:`service.codecs.image_encode.LABEL_PALETTE` (label 0 transparent), probabilities of one
-channel in the page's ramp (dark red, orange, yellow; below 0.1 of the range transparent).
 """
 
 from __future__ import annotations
 
-import io
 import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from service.codecs.image_encode import LABEL_PALETTE
-from service.errors import BadParameterError, UnsupportedMediaTypeError
+from service.dzi.layout import TILE_SIZE, TileBox
+from service.errors import UnsupportedMediaTypeError
 from service.sniff import sniff_file
 
 __all__ = [
     "MAX_READ_PIXELS",
-    "OVERLAP",
+    "OPEN_PYRAMIDS",
     "OVERVIEW_EDGE",
-    "TILE_SIZE",
-    "DeepZoom",
     "Pyramid",
-    "TileBox",
-    "display_window",
-    "dzi_xml",
-    "encode_tile",
     "open_pyramid",
     "opened",
-    "render_tile",
+    "source_box",
 ]
 
-#: Deep Zoom tile edge (pixels) and overlap (pixels on each inner side).
-TILE_SIZE = 256
-OVERLAP = 1
 #: Most source pixels one tile request decodes (past it, the overview serves).
 MAX_READ_PIXELS = 4096 * 4096
 #: Longest side of an overview (pixels).
 OVERVIEW_EDGE = 1024
 #: Open pyramids kept between requests (:func:`opened`).
 OPEN_PYRAMIDS = 8
-#: Probabilities below this share of the range are not drawn (as ``RAMP_THRESHOLD`` in palette.js).
-RAMP_THRESHOLD = 0.1
 _OVERVIEW_SUFFIX = ".dzi-overview.npy"
 _LOCKS_GUARD = threading.Lock()
 _LOCKS: dict[str, threading.Lock] = {}
@@ -90,85 +63,6 @@ def _overview_lock(path: Path) -> threading.Lock:
             for key in [k for k, lock in _LOCKS.items() if not lock.locked()]:
                 del _LOCKS[key]
         return _LOCKS.setdefault(str(path), threading.Lock())
-
-
-def _ramp() -> np.ndarray:
-    """The page's probability ramp (``palette.js`` ``RAMP``): ``(256, 3)`` uint8."""
-    stops = [(0.0, (150, 0, 0)), (0.5, (255, 96, 0)), (1.0, (255, 255, 0))]
-    out = np.zeros((256, 3), np.uint8)
-    for k in range(256):
-        t = k / 255
-        j = 0
-        while j < len(stops) - 2 and t > stops[j + 1][0]:
-            j += 1
-        (t0, c0), (t1, c1) = stops[j], stops[j + 1]
-        u = (t - t0) / (t1 - t0)
-        out[k] = [math.floor(c + (d - c) * u + 0.5) for c, d in zip(c0, c1, strict=True)]
-    return out
-
-
-_RAMP = _ramp()
-_PALETTE = np.array(LABEL_PALETTE, np.uint8)
-
-
-@dataclass(frozen=True, slots=True)
-class TileBox:
-    """Where one Deep Zoom tile lies: its box ``[x0, x1) x [y0, y1)`` in level pixels and the
-    level's downsample ``d`` from level 0."""
-
-    x0: int
-    y0: int
-    x1: int
-    y1: int
-    downsample: int
-
-
-class DeepZoom:
-    """The Deep Zoom layout of a ``width x height`` image (pixels of level 0).
-
-    Raises:
-        BadParameterError: a level, column or row that is not a non-negative integer (400).
-        LookupError: a level, column or row past the image (404).
-    """
-
-    def __init__(self, width: int, height: int, tile_size: int = TILE_SIZE, overlap: int = OVERLAP) -> None:
-        self.width, self.height, self.tile_size, self.overlap = width, height, tile_size, overlap
-        self.max_level = max(0, math.ceil(math.log2(max(width, height, 1))))
-
-    def level_size(self, level: int) -> tuple[int, int]:
-        """``(width, height)`` of Deep Zoom level ``level``."""
-        d = 2 ** (self.max_level - level)
-        return -(-self.width // d), -(-self.height // d)
-
-    def box(self, level: Any, col: Any, row: Any) -> TileBox:
-        """The box of tile ``(col, row)`` of ``level`` (strings from a URL accepted)."""
-        values = []
-        for name, value in (("level", level), ("col", col), ("row", row)):
-            text = str(value)
-            if not text.isascii() or not text.isdigit() or len(text) > 9:
-                raise BadParameterError(f"{name} must be a non-negative integer, got {text[:20]!r}")
-            values.append(int(text))
-        lv, c, r = values
-        if lv > self.max_level:
-            raise LookupError(f"level {lv} is past the last level {self.max_level}")
-        w, h = self.level_size(lv)
-        t, o = self.tile_size, self.overlap
-        if c * t >= w or r * t >= h:
-            cols, rows = -(-w // t), -(-h // t)
-            raise LookupError(f"tile {c}_{r} is outside level {lv} ({cols} columns x {rows} rows)")
-        x0, y0 = max(0, c * t - o), max(0, r * t - o)
-        x1, y1 = min(w, (c + 1) * t + o), min(h, (r + 1) * t + o)
-        return TileBox(x0, y0, x1, y1, 2 ** (self.max_level - lv))
-
-
-def dzi_xml(width: int, height: int, fmt: str, tile_size: int = TILE_SIZE, overlap: int = OVERLAP) -> str:
-    """The ``.dzi`` descriptor (Deep Zoom schema 2008) of a ``width x height`` image."""
-    return (
-        '<?xml version="1.0" encoding="UTF-8"?>\n'
-        '<Image xmlns="http://schemas.microsoft.com/deepzoom/2008" '
-        f'TileSize="{tile_size}" Overlap="{overlap}" Format="{fmt}">'
-        f'<Size Width="{width}" Height="{height}"/></Image>\n'
-    )
 
 
 class Pyramid:
@@ -420,101 +314,3 @@ def source_box(pyramid: Pyramid, box: TileBox) -> tuple[int, int, int, int, int]
         if (kx1 - kx0) * (ky1 - ky0) <= MAX_READ_PIXELS or k == len(pyramid.levels) - 1:
             return k, kx0, ky0, kx1, ky1
         k += 1
-
-
-@lru_cache(maxsize=32)
-def _window(path: str, mtime_ns: int) -> tuple[float, float]:  # noqa: ARG001 - the cache key
-    """The coarsest level's value range of a non-8-bit input (its display window)."""
-    pyramid = open_pyramid(Path(path))
-    try:
-        w, h = pyramid.levels[-1]
-        step = max(1, -(-max(w, h) // 2048))
-        data = pyramid.read(len(pyramid.levels) - 1, 0, 0, w, h)[::step, ::step].astype(np.float64)
-        finite = data[np.isfinite(data)]
-        return (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    finally:
-        pyramid.close()
-
-
-def _picture(data: np.ndarray, window: tuple[float, float] | None) -> np.ndarray:
-    """``(h, w, C)`` input data as ``(h, w, 3)`` uint8 RGB."""
-    rgb = data[..., :3] if data.shape[2] >= 3 else np.repeat(data[..., :1], 3, axis=2)
-    if rgb.dtype == np.uint8:
-        return np.ascontiguousarray(rgb)
-    lo, hi = window or (0.0, 1.0)
-    scaled = (rgb.astype(np.float64) - lo) * (255.0 / (hi - lo) if hi > lo else 0.0)
-    return np.clip(np.nan_to_num(scaled), 0, 255).astype(np.uint8)
-
-
-def _overlay(data: np.ndarray, kind: str, channel: int, window: tuple[float, float] | None) -> np.ndarray:
-    """``(h, w, C)`` output data as ``(h, w, 4)`` uint8 RGBA in the legend's colours
-    (probabilities: ``t = (v - lo) / (hi - lo)`` over ``window``, default ``[0, 1]``)."""
-    h, w = data.shape[:2]
-    out = np.zeros((h, w, 4), np.uint8)
-    if kind == "labels":
-        ids = data[..., 0].astype(np.int64)
-        out[..., :3] = _PALETTE[ids % 256]
-        out[..., 3] = np.where(ids != 0, 255, 0)
-        return out
-    if channel >= data.shape[2]:
-        raise LookupError(f"channel {channel} is past the output's {data.shape[2]} channels")
-    lo, hi = window or (0.0, 1.0)
-    values = data[..., channel].astype(np.float64)
-    t = np.clip(np.nan_to_num((values - lo) / (hi - lo if hi > lo else 1.0)), 0.0, 1.0)
-    out[..., :3] = _RAMP[np.round(t * 255).astype(np.int64)]
-    out[..., 3] = np.where(t >= RAMP_THRESHOLD, 255, 0)
-    return out
-
-
-def render_tile(
-    pyramid: Pyramid,
-    box: TileBox,
-    *,
-    role: str,
-    kind: str = "labels",
-    channel: int = 0,
-    window: tuple[float, float] | None = None,
-) -> np.ndarray:
-    """Tile ``box`` of ``pyramid`` as an RGB (``role="input"``) or RGBA (``role="result"``,
-    ``kind`` ``labels`` or ``probabilities``) uint8 array ``(y1 - y0, x1 - x0, 3 | 4)``;
-    ``window`` as :func:`display_window` gives it.
-
-    Raises:
-        LookupError: ``channel`` past the output's channels.
-    """
-    from PIL import Image
-
-    k, kx0, ky0, kx1, ky1 = source_box(pyramid, box)
-    data = pyramid.read(k, kx0, ky0, kx1, ky1)
-    size = (box.x1 - box.x0, box.y1 - box.y0)
-    if role == "input":
-        image = Image.fromarray(_picture(data, window), "RGB")
-        resample = Image.Resampling.BOX
-    else:
-        image = Image.fromarray(_overlay(data, kind, channel, window), "RGBA")
-        resample = Image.Resampling.NEAREST
-    if image.size != size:
-        image = image.resize(size, resample)
-    return np.asarray(image)
-
-
-def encode_tile(tile: np.ndarray, fmt: str) -> bytes:
-    """``tile`` as JPEG (quality 90) or PNG bytes."""
-    from PIL import Image
-
-    sink = io.BytesIO()
-    if fmt == "jpeg":
-        Image.fromarray(tile).save(sink, "JPEG", quality=90)
-    else:
-        Image.fromarray(tile).save(sink, "PNG", compress_level=3)
-    return sink.getvalue()
-
-
-def display_window(path: Path, pyramid: Pyramid, role: str, kind: str) -> tuple[float, float] | None:
-    """The value range drawn (cached per file): ``None`` for an 8-bit input or labels; for other
-    inputs the coarsest level's range; for probabilities ``[min(0, lo), hi]`` of it, as the
-    page's legend shows them."""
-    if (role == "input" and pyramid.dtype == np.uint8) or (role == "result" and kind == "labels"):
-        return None
-    lo, hi = _window(str(path), path.stat().st_mtime_ns)
-    return (min(lo, 0.0), hi) if role == "result" else (lo, hi)
