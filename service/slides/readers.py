@@ -41,8 +41,6 @@ __all__ = [
 
 #: Plausible microns per pixel of a slide level 0 (40x is about 0.25, 1.25x about 8).
 MPP_RANGE = (0.02, 20.0)
-
-
 _SLIDE_FLAGS = ("is_svs", "is_ndpi", "is_scn", "is_philips", "is_bif", "is_qpi")
 
 
