@@ -40,6 +40,7 @@ import numpy as np
 
 from service.errors import UnusableInputError
 from service.regions import RegionSource
+from service.tilecache import TileCache, read_tiles
 
 __all__ = [
     "MIN_MPP_RATIO",
@@ -390,12 +391,14 @@ class _TiffSlide(_Slide):
         self._group = self._slide.zarr_group
         self.dtype = np.dtype(self._group["0"].dtype)
         self._lock = threading.Lock()
+        self.tiles = TileCache()  # decoded stored tiles: each decoded once while regions share it
 
     def read(self, level: int, y0: int, y1: int, x0: int, x1: int) -> np.ndarray:
         with self._lock:  # one zarr store, one file handle
-            return _rgb(np.asarray(self._group[str(level)][y0:y1, x0:x1]))
+            return _rgb(read_tiles(self._group[str(level)], y0, y1, x0, x1, self.tiles, level))
 
     def close(self) -> None:
+        self.tiles.clear()
         self._slide.close()
 
 
@@ -411,12 +414,14 @@ class _TifffileSlide(_Slide):
         self._arrays = [zarr.open(s, mode="r") for s in self._stores]
         self.dtype = np.dtype(self._arrays[0].dtype)
         self._lock = threading.Lock()
+        self.tiles = TileCache()  # decoded stored tiles: each decoded once while regions share it
 
     def read(self, level: int, y0: int, y1: int, x0: int, x1: int) -> np.ndarray:
         with self._lock:
-            return _rgb(np.asarray(self._arrays[level][y0:y1, x0:x1]))
+            return _rgb(read_tiles(self._arrays[level], y0, y1, x0, x1, self.tiles, level))
 
     def close(self) -> None:
+        self.tiles.clear()
         for store in self._stores:
             store.close()
 
