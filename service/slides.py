@@ -59,6 +59,7 @@ __all__ = [
     "probe_slide",
     "read_header",
     "resolution_of",
+    "set_level_used",
     "slide_fields",
     "slide_info",
     "slide_probe",
@@ -111,12 +112,33 @@ class SlideInfo:
 
 def slide_probe(info: SlideInfo, kind: str = "tiff") -> Any:
     """The :class:`~service.codecs.Probe` of a slide: level 0 ``(H, W)``, 3 channels, uint8; its
-    ``info`` holds ``slide: true`` and :meth:`SlideInfo.describe`'s keys (``mpp_note`` too)."""
+    ``info`` holds ``slide: true``, :meth:`SlideInfo.describe`'s keys (``mpp_note`` too) and
+    ``level_used`` 0 (what a request with no ``mpp`` or ``level`` reads for a model without an
+    ``mpp``; :func:`set_level_used` sets a request's)."""
     from service.codecs.volume import Probe
 
     w, h, _ = info.levels[0]
     return Probe(kind, (h, w), 3, np.dtype(np.uint8), w * h * 3,
-                 {"slide": True, **info.describe(), "mpp_note": info.mpp_note})  # fmt: skip
+                 {"slide": True, **info.describe(), "mpp_note": info.mpp_note, "level_used": 0})  # fmt: skip
+
+
+def set_level_used(header: Any, spec: Any, params: Any = None) -> Any:
+    """``header`` with ``info["level_used"]`` the level a request reads (:func:`resolution_of` of
+    ``params`` merged with the spec's defaults: the request's ``level`` or ``mpp``, else the spec's
+    ``mpp``, else 0), as the dry run reports it; set in place (the header stays the same object),
+    and nothing done for an input that is no slide.
+
+    Raises:
+        UnusableInputError: a level the slide lacks, or an mpp it cannot be read at
+            (:func:`choose_resolution`).
+    """
+    if slide_info(header) is None:
+        return header
+    merged = spec.defaults if params is None else params.merged(spec.defaults)
+    resolution = resolution_of(header, spec, merged)
+    assert resolution is not None
+    header.info["level_used"] = resolution.level
+    return header
 
 
 #: SOP class of DICOM whole-slide images (VL Whole Slide Microscopy Image Storage).

@@ -15,7 +15,7 @@ stored tiles across the level fits (``level width x tile height x 3`` bytes: 36 
 pixel wide slide of 240-pixel tiles, within :data:`TILE_CACHE_BYTES`).
 
 Reads the cache cannot serve well go to the array directly: a region larger than half the cache
-(a thumbnail's strips), or stored tiles larger than an eighth of it (a level stored as one strip).
+(a thumbnail's strips), or stored tiles larger than a quarter of it (a level stored as one strip).
 
 Memory: at most ``max_bytes`` of tiles beside the region read, plus, during a read, the tiles of
 that region.
@@ -119,7 +119,7 @@ def read_tiles(
     region = (y1 - y0) * (x1 - x0) * itemsize
     tile_bytes = th * tw * itemsize
     inside = 0 <= y0 < y1 <= H and 0 <= x0 < x1 <= W
-    if not inside or region > cache.max_bytes // 2 or tile_bytes > cache.max_bytes // 8:
+    if not inside or region > cache.max_bytes // 2 or tile_bytes > cache.max_bytes // 4:
         return np.asarray(array[y0:y1, x0:x1])
     out = np.empty((y1 - y0, x1 - x0, *tail), np.dtype(array.dtype))
     cols = range(x0 // tw, -(-x1 // tw))
