@@ -4,15 +4,17 @@ A slide level is stored as tiles (SVS: JPEG, 240 or 256 pixels a side) and read 
 array, whose chunks are those tiles: reading a region decodes every tile it touches, and neither
 tifffile's zarr store nor zarr keeps a decoded tile. The engine's regions (a tile of the network
 plus its halo) are not aligned to the stored tiles, so a stored tile under the corner of four
-regions was decoded four times (more when a region is read twice).
+regions was decoded four times.
 
 :func:`read_tiles` reads a region as the stored tiles it touches, each looked up in a
 :class:`TileCache` first; the tiles a read misses are read from the array in one call per row of
-consecutive missing tiles (each decoded once) and kept. Regions read in raster order then decode
-each stored tile once, as long as the cache holds the tiles the next regions share: the
-horizontal neighbour's always (a few columns of tiles); the next row of regions' when a row of
-stored tiles across the level fits (``level width x tile height x 3`` bytes: 36 MiB for a 50,000
-pixel wide slide of 240-pixel tiles, within :data:`TILE_CACHE_BYTES`).
+consecutive missing tiles (each decoded once) and kept. The engine reads its regions in raster
+order: the cache drops first the rows of tiles above the region read (done with) and the tiles of
+other levels, then the least recently used. Each stored tile is then decoded once per pass when
+the rows of tiles a row of regions spans fit in the bound (``rows x level width x tile height x
+3`` bytes: 3 rows of a 20,000 pixel wide level of 256-pixel tiles are 44 MiB, within
+:data:`TILE_CACHE_BYTES`); on a wider level the tiles the regions to the right share are still
+kept (a few columns), and the tiles of the rows two rows of regions share are decoded twice.
 
 Reads the cache cannot serve well go to the array directly: a region larger than half the cache
 (a thumbnail's strips), or stored tiles larger than a quarter of it (a level stored as one strip).
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -37,7 +39,8 @@ TILE_CACHE_BYTES = 64 << 20
 
 
 class TileCache:
-    """Decoded tiles, least recently used first out, bounded in bytes; safe to share between threads.
+    """Decoded tiles bounded in bytes, least recently used first out, but for the tiles its
+    caller says it is done with, which go first; safe to share between threads.
 
     Args:
         max_bytes: the bound on the bytes of the tiles held (a tile larger than it is not kept).
@@ -74,9 +77,15 @@ class TileCache:
             self.hits += 1
             return tile
 
-    def put(self, key: Hashable, tile: np.ndarray) -> None:
-        """Keep ``tile`` (read-only from then on) under ``key``, dropping the least recently used
-        tiles beyond ``max_bytes``; a tile larger than ``max_bytes`` is not kept."""
+    def put(self, key: Hashable, tile: np.ndarray, done: Callable[[Hashable], bool] | None = None) -> None:
+        """Keep ``tile`` (read-only from then on) under ``key``, then drop tiles beyond
+        ``max_bytes``: first those ``done(key)`` is true of, then the least recently used.
+        A tile larger than ``max_bytes`` is not kept.
+
+        Notes:
+            Each dropped tile scans the tiles held for a done one, oldest first: a few hundred
+            look-ups at most (a 64 MiB bound holds 341 RGB tiles of 256 x 256).
+        """
         size = int(tile.nbytes)
         if size > self.max_bytes:
             return
@@ -88,7 +97,8 @@ class TileCache:
             self._tiles[key] = tile
             self._nbytes += size
             while self._nbytes > self.max_bytes:
-                _, dropped = self._tiles.popitem(last=False)
+                first = next((k for k in self._tiles if done(k)), None) if done is not None else None
+                dropped = self._tiles.pop(first) if first is not None else self._tiles.popitem(last=False)[1]
                 self._nbytes -= int(dropped.nbytes)
 
     def clear(self) -> None:
@@ -123,6 +133,11 @@ def read_tiles(
         return np.asarray(array[y0:y1, x0:x1])
     out = np.empty((y1 - y0, x1 - x0, *tail), np.dtype(array.dtype))
     cols = range(x0 // tw, -(-x1 // tw))
+    top = y0 // th
+
+    def done(k: Any) -> bool:  # in raster order: another level's tiles, and rows above this read
+        return k[0] != key or k[1] < top
+
     for ty in range(y0 // th, -(-y1 // th)):
         tiles = {tx: cache.get((key, ty, tx)) for tx in cols}
         missing = [tx for tx in cols if tiles[tx] is None]
@@ -130,7 +145,7 @@ def read_tiles(
             block = np.asarray(array[ty * th : min((ty + 1) * th, H), a * tw : min((b + 1) * tw, W)])
             for tx in range(a, b + 1):
                 tile = np.ascontiguousarray(block[:, (tx - a) * tw : (tx - a + 1) * tw])
-                cache.put((key, ty, tx), tile)
+                cache.put((key, ty, tx), tile, done)
                 tiles[tx] = tile
         ra, rb = max(y0, ty * th), min(y1, (ty + 1) * th)
         for tx in cols:
