@@ -119,7 +119,9 @@ def check_input(
         )
     check_compression(header, Path(source).stat().st_size, limits.max_ratio)
     header.check_model(int(spec.spatial_dims), spec.name, in_channels=int(spec.in_channels))
-    return header
+    from service.slides import set_level_used
+
+    return set_level_used(header, spec, params)  # a slide: the level this request reads
 
 
 def check_compression(header: Probe, file_bytes: int, max_ratio: float | None) -> None:

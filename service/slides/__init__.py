@@ -34,6 +34,7 @@ from service.slides.request import (
     open_slide_source,
     read_header,
     resolution_of,
+    set_level_used,
     slide_fields,
     whole_slide_check,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "probe_slide",
     "read_header",
     "resolution_of",
+    "set_level_used",
     "slide_fields",
     "slide_info",
     "slide_probe",

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from service.errors import UnusableInputError
+from service.tilecache import TileCache, read_tiles
 
 __all__ = [
     "MPP_RANGE",
@@ -74,12 +75,14 @@ class SlideInfo:
 
 def slide_probe(info: SlideInfo, kind: str = "tiff") -> Any:
     """The :class:`~service.codecs.Probe` of a slide: level 0 ``(H, W)``, 3 channels, uint8; its
-    ``info`` holds ``slide: true`` and :meth:`SlideInfo.describe`'s keys (``mpp_note`` too)."""
+    ``info`` holds ``slide: true``, :meth:`SlideInfo.describe`'s keys (``mpp_note`` too) and
+    ``level_used`` 0 (what a request with no ``mpp`` or ``level`` reads for a model without an
+    ``mpp``; :func:`service.slides.request.set_level_used` sets a request's)."""
     from service.codecs.volume import Probe
 
     w, h, _ = info.levels[0]
     return Probe(kind, (h, w), 3, np.dtype(np.uint8), w * h * 3,
-                 {"slide": True, **info.describe(), "mpp_note": info.mpp_note})  # fmt: skip
+                 {"slide": True, **info.describe(), "mpp_note": info.mpp_note, "level_used": 0})  # fmt: skip
 
 
 #: SOP class of DICOM whole-slide images (VL Whole Slide Microscopy Image Storage).
@@ -253,12 +256,14 @@ class _TiffSlide(_Slide):
         self._group = self._slide.zarr_group
         self.dtype = np.dtype(self._group["0"].dtype)
         self._lock = threading.Lock()
+        self.tiles = TileCache()  # decoded stored tiles: each decoded once while regions share it
 
     def read(self, level: int, y0: int, y1: int, x0: int, x1: int) -> np.ndarray:
         with self._lock:  # one zarr store, one file handle
-            return _rgb(np.asarray(self._group[str(level)][y0:y1, x0:x1]))
+            return _rgb(read_tiles(self._group[str(level)], y0, y1, x0, x1, self.tiles, level))
 
     def close(self) -> None:
+        self.tiles.clear()
         self._slide.close()
 
 
@@ -274,12 +279,14 @@ class _TifffileSlide(_Slide):
         self._arrays = [zarr.open(s, mode="r") for s in self._stores]
         self.dtype = np.dtype(self._arrays[0].dtype)
         self._lock = threading.Lock()
+        self.tiles = TileCache()  # decoded stored tiles: each decoded once while regions share it
 
     def read(self, level: int, y0: int, y1: int, x0: int, x1: int) -> np.ndarray:
         with self._lock:
-            return _rgb(np.asarray(self._arrays[level][y0:y1, x0:x1]))
+            return _rgb(read_tiles(self._arrays[level], y0, y1, x0, x1, self.tiles, level))
 
     def close(self) -> None:
+        self.tiles.clear()
         for store in self._stores:
             store.close()
 

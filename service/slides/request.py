@@ -16,7 +16,14 @@ from service.slides.regions import SlideRegions, open_slide_regions
 from service.slides.resolution import Resolution, choose_resolution
 from service.slides.tissue import expected_skipped
 
-__all__ = ["open_slide_source", "read_header", "resolution_of", "slide_fields", "whole_slide_check"]
+__all__ = [
+    "open_slide_source",
+    "read_header",
+    "resolution_of",
+    "set_level_used",
+    "slide_fields",
+    "whole_slide_check",
+]
 
 
 def resolution_of(header: Any, spec: Any, params: Any) -> Resolution | None:
@@ -91,3 +98,22 @@ def slide_fields(path: Path, header: Any, spec: Any, params: Any, plan: Any) -> 
         finally:
             regions.close()
     return fields
+
+
+def set_level_used(header: Any, spec: Any, params: Any = None) -> Any:
+    """``header`` with ``info["level_used"]`` the level a request reads (:func:`resolution_of` of
+    ``params`` merged with the spec's defaults: the request's ``level`` or ``mpp``, else the spec's
+    ``mpp``, else 0), as the dry run reports it; set in place (the header stays the same object),
+    and nothing done for an input that is no slide.
+
+    Raises:
+        UnusableInputError: a level the slide lacks, or an mpp it cannot be read at
+            (:func:`~service.slides.resolution.choose_resolution`).
+    """
+    if slide_info(header) is None:
+        return header
+    merged = spec.defaults if params is None else params.merged(spec.defaults)
+    resolution = resolution_of(header, spec, merged)
+    assert resolution is not None
+    header.info["level_used"] = resolution.level
+    return header
