@@ -235,9 +235,14 @@ def model_shape(spec: Any, header: Probe, params: InferenceParams) -> tuple[int,
 def held_beside(spec: Any, header: Probe, *, streamed: bool) -> dict[str, Any]:
     """What a request holds beside its plan, as :func:`models.planning.cost.peak_bytes` takes it: the
     decoded input and its float copy; a streamed request (:mod:`service.stages`) neither, and its
-    output is on disk."""
+    output is on disk; a streamed slide its cache of decoded stored tiles
+    (:data:`service.tilecache.TILE_CACHE_BYTES` at most: no more than the slide's level 0)."""
     if streamed:
-        return {"input_bytes": 0, "copies_input": False, "output_on_disk": True}
+        from service.slides import slide_info
+        from service.tilecache import TILE_CACHE_BYTES
+
+        cache = min(TILE_CACHE_BYTES, input_bytes(header)) if slide_info(header) is not None else 0
+        return {"input_bytes": cache, "copies_input": False, "output_on_disk": True}
     return {"input_bytes": input_bytes(header), "copies_input": copies_input(spec, header)}
 
 

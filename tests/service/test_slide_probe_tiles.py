@@ -278,3 +278,27 @@ def test_read_tiles_of_a_plain_array_matches_slicing():
     cache = TileCache(1 << 20)
     for y0, y1, x0, x1 in [(0, 101, 0, 67), (3, 4, 5, 6), (15, 17, 9, 11), (90, 101, 60, 67), (5, 5, 0, 3)]:
         assert np.array_equal(read_tiles(array, y0, y1, x0, x1, cache), data[y0:y1, x0:x1])
+
+
+# ---------------------------------------------------------------- the cache in the memory plan
+def test_the_memory_plan_counts_the_tile_cache_of_a_streamed_slide(svs, model, tmp_path):
+    """The planner's peak holds the slide's tile cache (bounded by the level's bytes); a plain
+    tiled TIFF of the same pixels, read without a cache, holds nothing beside its plan."""
+    import tifffile
+
+    from service.codecs import probe
+    from service.dryrun import dry_run
+    from service.pipeline import Limits
+    from service.precheck import held_beside
+    from service.tilecache import TILE_CACHE_BYTES
+
+    header = probe(svs)
+    held = held_beside(model.spec, header, streamed=True)
+    assert held["input_bytes"] == min(TILE_CACHE_BYTES, SHAPE[0] * SHAPE[1] * 3) > 0
+    plain = tmp_path / "plain.tif"
+    pixels = tifffile.imread(svs, level=0)[..., 0]
+    tifffile.imwrite(plain, pixels, tile=(STORED, STORED), compression="zlib")
+    assert held_beside(model.spec, probe(plain), streamed=True)["input_bytes"] == 0
+    params = parse_params({"tile": "256", "mask": "none"})
+    slide_peak = dry_run(model, svs, params, Limits())["peak_bytes"]
+    assert slide_peak >= held["input_bytes"]
