@@ -147,7 +147,7 @@ class TiffRegions(RegionSource):
         self.path = path
         store = tifffile.imread(path, aszarr=True, series=0, level=0)
         self._store = store
-        self.array = zarr.open(store, mode="r")
+        self.array = zarr.open_array(store, mode="r")
         with tifffile.TiffFile(path) as tif:
             series = tif.series[0]
             axes, shape = str(series.axes), tuple(int(n) for n in series.shape)

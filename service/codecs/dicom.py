@@ -175,7 +175,7 @@ def _frames_of(file: DicomFile) -> list[Frame]:
                     i,
                     _floats(position.get("ImagePositionPatient"), 3, "ImagePositionPatient", name),
                     _floats(orientation.get("ImageOrientationPatient"), 6, "ImageOrientationPatient", name),
-                    tuple(_floats(measures.get("PixelSpacing"), 2, "PixelSpacing", name)),  # type: ignore[arg-type]
+                    tuple(_floats(measures.get("PixelSpacing"), 2, "PixelSpacing", name)),
                     *_rescale(_group(ds, i, "PixelValueTransformationSequence")),
                 )
             )
@@ -194,7 +194,7 @@ def _frames_of(file: DicomFile) -> list[Frame]:
             None,
             _floats(ds.ImagePositionPatient, 3, "ImagePositionPatient", name),
             _floats(ds.ImageOrientationPatient, 6, "ImageOrientationPatient", name),
-            tuple(_floats(spacing, 2, "PixelSpacing", name)),  # type: ignore[arg-type]
+            tuple(_floats(spacing, 2, "PixelSpacing", name)),
             *_rescale(ds),
         )
     ]

@@ -21,11 +21,14 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from service.errors import UnusableInputError
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = [
     "MPP_RANGE",
@@ -190,7 +193,8 @@ def _probe_tifffile(path: Path) -> SlideInfo:
         )
         vendor = next((f[3:] for f in _SLIDE_FLAGS if getattr(tif, f, False)), "generic-tiff")
         page = tif.pages.first
-        mpp, note = None, "tifffile reads no slide mpp (install the `slides` extra for tiffslide)"
+        mpp: float | None = None
+        note: str | None = "tifffile reads no slide mpp (install the `slides` extra for tiffslide)"
         if page.tags.get("XResolution") is not None and page.tags.get("ResolutionUnit") is not None:
             num, den = page.tags["XResolution"].value
             unit = int(page.tags["ResolutionUnit"].value)
@@ -251,12 +255,19 @@ class _TiffSlide(_Slide):
         self.info = info
         self._slide = tiffslide.TiffSlide(path)
         self._group = self._slide.zarr_group
-        self.dtype = np.dtype(self._group["0"].dtype)
+        self.dtype = np.dtype(self._level(0).dtype)
         self._lock = threading.Lock()
+
+    def _level(self, level: int) -> zarr.Array:
+        import zarr
+
+        array = self._group[str(level)]
+        assert isinstance(array, zarr.Array)  # tiffslide's group holds one array per level
+        return array
 
     def read(self, level: int, y0: int, y1: int, x0: int, x1: int) -> np.ndarray:
         with self._lock:  # one zarr store, one file handle
-            return _rgb(np.asarray(self._group[str(level)][y0:y1, x0:x1]))
+            return _rgb(np.asarray(self._level(level)[y0:y1, x0:x1]))
 
     def close(self) -> None:
         self._slide.close()
@@ -271,7 +282,7 @@ class _TifffileSlide(_Slide):
         self._stores = [
             tifffile.imread(path, aszarr=True, series=0, level=k) for k in range(len(info.levels))
         ]
-        self._arrays = [zarr.open(s, mode="r") for s in self._stores]
+        self._arrays = [zarr.open_array(s, mode="r") for s in self._stores]
         self.dtype = np.dtype(self._arrays[0].dtype)
         self._lock = threading.Lock()
 
