@@ -102,7 +102,9 @@ def unit_to_uint8(values: np.ndarray) -> np.ndarray:
     """Probabilities as uint8: ``round(255 * clip(p, 0, 1))`` (NaN as 0)."""
     if values.dtype == np.uint8:
         return values
-    scaled: np.ndarray = np.rint(np.clip(np.nan_to_num(values.astype(np.float32, copy=False)), 0.0, 1.0) * 255.0)
+    scaled: np.ndarray = np.rint(
+        np.clip(np.nan_to_num(values.astype(np.float32, copy=False)), 0.0, 1.0) * 255.0
+    )
     return scaled.astype(np.uint8)
 
 

@@ -215,7 +215,7 @@ def prepare(
     from models.transforms.streamed import RegionPreprocessed
     from service.precheck import held_beside
     from service.regions import open_regions
-    from service.sniff import sniff
+    from service.sniff import sniff_gzipped
     from service.writers import open_output, output_dtype
 
     started = time.perf_counter()
@@ -223,7 +223,7 @@ def prepare(
     p = params.merged(spec.defaults)
     output_kind = str(p.output)
     labels = p.output == OutputKind.LABELS
-    gzipped = header.kind == "nifti" and sniff(source).gzipped
+    gzipped = header.kind == "nifti" and sniff_gzipped(source)
     folder = path.parent
     dtype = output_dtype(params, labels, int(spec.out_channels))
     from service.slides import read_header

@@ -327,8 +327,9 @@ def run_mapped(
     copies = not np.shares_memory(x, data)
     wants_labels = (p.output or spec.defaults.output) == OutputKind.LABELS
     held = input_bytes + mapping.extra_bytes(spec.out_channels, labels=wants_labels)
-    budgeted = {"memory_budget": memory_budget, "input_bytes": held, "copies_input": copies}
-    plan = model.plan(x.shape[1:], p, sample=x, **budgeted)
+    plan = model.plan(
+        x.shape[1:], p, sample=x, memory_budget=memory_budget, input_bytes=held, copies_input=copies
+    )
     options = options or RunOptions()
     seam = model.seam_stats(plan) if options.tiled is None else None
     if check is not None:

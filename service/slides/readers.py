@@ -30,6 +30,8 @@ from service.errors import UnusableInputError
 if TYPE_CHECKING:
     import zarr
 
+    from service.codecs.volume import Probe
+
 __all__ = [
     "MPP_RANGE",
     "SlideInfo",
@@ -75,7 +77,7 @@ class SlideInfo:
         }
 
 
-def slide_probe(info: SlideInfo, kind: str = "tiff") -> Any:
+def slide_probe(info: SlideInfo, kind: str = "tiff") -> Probe:
     """The :class:`~service.codecs.Probe` of a slide: level 0 ``(H, W)``, 3 channels, uint8; its
     ``info`` holds ``slide: true`` and :meth:`SlideInfo.describe`'s keys (``mpp_note`` too)."""
     from service.codecs.volume import Probe
@@ -89,7 +91,7 @@ def slide_probe(info: SlideInfo, kind: str = "tiff") -> Any:
 WSI_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.6"
 
 
-def probe_dicom_wsi(path: Path) -> Any:
+def probe_dicom_wsi(path: Path) -> Probe | None:
     """The :class:`~service.codecs.Probe` (kind ``slide``, reader ``openslide``) of a DICOM
     whole-slide image file, ``None`` for any other DICOM input (a folder, a zip, a series).
 
@@ -258,7 +260,7 @@ class _TiffSlide(_Slide):
         self.dtype = np.dtype(self._level(0).dtype)
         self._lock = threading.Lock()
 
-    def _level(self, level: int) -> zarr.Array:
+    def _level(self, level: int) -> zarr.Array[Any]:
         import zarr
 
         array = self._group[str(level)]
