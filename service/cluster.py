@@ -186,11 +186,11 @@ class DaskPass:
             )
         align = spec.alignment_per_axis
         asked = self.chunk if self.chunk is not None else default_chunk(plan, align)
-        plan_chunks = functools.partial(plan_dask, halo=plan.halo, tile_shape=plan.tile, alignment=align,
-                                        overlap=plan.overlap, blend=plan.blend.value)  # fmt: skip
-        chunks = plan_chunks(x.shape[1:], chunk_shape=asked).chunks
+        dask_plan = functools.partial(plan_dask, halo=plan.halo, tile_shape=plan.tile, alignment=align,
+                                      overlap=plan.overlap, blend=plan.blend.value)  # fmt: skip
+        chunks = dask_plan(x.shape[1:], chunk_shape=asked).chunks
         # what tiled_inference_dask plans from the chunk shape it is given below
-        chunked = plan_chunks(x.shape[1:], chunk_shape=tuple(c[0] for c in chunks))
+        chunked = dask_plan(x.shape[1:], chunk_shape=tuple(c[0] for c in chunks))
         chunks = chunked.chunks
         ran = dataclasses.replace(plan, halo=chunked.depth, chunked=chunked)  # the plan that runs
         if self.passes == 0 and self.on_plan is not None:
