@@ -9,7 +9,7 @@ True
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import typing
 
 from tiling.errors import (
     AccumulatorStateError,
@@ -32,7 +32,7 @@ from tiling.plan import (
 )
 from tiling.resume import Resume, ResumePoint, resume_point
 
-if TYPE_CHECKING:  # the lazy names below, for type checkers only (no torch import at run time)
+if typing.TYPE_CHECKING:  # the lazy names below, for type checkers only (no torch import at run time)
     from tiling.engine import tiled_inference
     from tiling.reuse import TileReuse
     from tiling.seam import SeamStats
