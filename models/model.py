@@ -226,6 +226,7 @@ class Model:
             tolerance = p.halo_tolerance
             halo_of, verify, source = self.calibrator.auto_rules(shape, tile, tolerance, sample, calibrate)
         else:
+            assert not isinstance(p.halo, str)  # not "auto"
             halo_of, source = given_halo_rule(as_ints(p.halo, ndim, "halo", minimum=0)), "given"
         dependent = bool(self.known_tile_dependent)
         sized = size_plan(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from service.errors import BadParameterError
 from service.precheck import Limits, precheck
@@ -40,7 +40,14 @@ class Admitted:
     params: InferenceParams
 
 
-def load_model(repository: Any, name: str) -> Model:
+class _Repository(Protocol):
+    """What :func:`load_model` asks of a repository (:class:`models.ModelRepository`; its
+    ``unavailable()`` is asked for when it has one)."""
+
+    def get(self, name: str) -> Model: ...
+
+
+def load_model(repository: _Repository, name: str) -> Model:
     """``repository.get(name)``; a model that fails to load now is unavailable (503) from here on.
 
     Raises:

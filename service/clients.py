@@ -17,7 +17,10 @@ else its address (``request.client.host``; behind a proxy, the address uvicorn t
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.settings import Settings
 
 __all__ = ["client_of", "client_slots"]
 
@@ -37,6 +40,6 @@ def client_of(request: Any) -> str:
     return f"addr:{host or '?'}"
 
 
-def client_slots(settings: Any) -> int:
+def client_slots(settings: Settings) -> int:
     """The inference slots one client may hold at once (see the module docstring)."""
     return max(1, math.floor(settings.max_client_share * (settings.queue_size + 1)))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -91,7 +92,7 @@ class WorkerModel:
         if self.torch_threads is not None:
             torch.set_num_threads(self.torch_threads)
         model = ModelRepository(self.models_dir, device=self.device, strict=self.strict).get(self.name)
-        return model.predictor  # type: ignore[no-any-return]
+        return model.predictor
 
 
 def default_chunk(plan: RunPlan, alignment: tuple[int, ...]) -> tuple[int, ...]:
@@ -185,11 +186,11 @@ class DaskPass:
             )
         align = spec.alignment_per_axis
         asked = self.chunk if self.chunk is not None else default_chunk(plan, align)
-        options = {"halo": plan.halo, "tile_shape": plan.tile, "alignment": align, "overlap": plan.overlap,
-                   "blend": plan.blend.value}  # fmt: skip
-        chunks = plan_dask(x.shape[1:], chunk_shape=asked, **options).chunks
+        dask_plan = functools.partial(plan_dask, halo=plan.halo, tile_shape=plan.tile, alignment=align,
+                                      overlap=plan.overlap, blend=plan.blend.value)  # fmt: skip
+        chunks = dask_plan(x.shape[1:], chunk_shape=asked).chunks
         # what tiled_inference_dask plans from the chunk shape it is given below
-        chunked = plan_dask(x.shape[1:], chunk_shape=tuple(c[0] for c in chunks), **options)
+        chunked = dask_plan(x.shape[1:], chunk_shape=tuple(c[0] for c in chunks))
         chunks = chunked.chunks
         ran = dataclasses.replace(plan, halo=chunked.depth, chunked=chunked)  # the plan that runs
         if self.passes == 0 and self.on_plan is not None:
@@ -268,13 +269,13 @@ def dask_client(address: str, *, timeout_s: float | None = None) -> Iterator[tup
         try:
             if n_local is not None:
                 cluster = stack.enter_context(
-                    LocalCluster(
+                    LocalCluster(  # type: ignore[no-untyped-call]
                         n_workers=n_local, threads_per_worker=1, processes=True, dashboard_address=":0"
                     )
                 )
-                client = stack.enter_context(Client(cluster, set_as_default=False, timeout=timeout_s))
+                client = stack.enter_context(Client(cluster, set_as_default=False, timeout=timeout_s))  # type: ignore[no-untyped-call]
             else:
-                client = stack.enter_context(Client(address, set_as_default=False, timeout=timeout_s))
+                client = stack.enter_context(Client(address, set_as_default=False, timeout=timeout_s))  # type: ignore[no-untyped-call]
         except (OSError, TimeoutError, RuntimeError) as exc:  # RuntimeError: "Nanny failed to start"
             raise ClusterUnavailableError(f"cannot reach the Dask cluster {address!r}: {exc}") from exc
         logger.info("dask: connected to %s (%s)", address, client.scheduler_info().get("address"))

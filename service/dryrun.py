@@ -134,14 +134,14 @@ def _model_input(model: Model, source: Path, params: InferenceParams, limits: Li
 def _disk_bytes(model: Model, source: Path, header: Any, params: InferenceParams, *, streamed: bool) -> int:
     """Bytes of disk the request needs: a streamed one's output and temporaries
     (:func:`service.stages.disk_bytes`), else its uncompressed output."""
-    from service.sniff import sniff
+    from service.sniff import sniff_gzipped
     from service.stages import disk_bytes, output_format
     from service.writers import output_dtype
 
     spec = model.spec
     labels = str(params.output or spec.defaults.output) == "labels"
     fmt = output_format(header.kind, spec, params)
-    gzipped = streamed and header.kind == "nifti" and sniff(source).gzipped
+    gzipped = streamed and header.kind == "nifti" and sniff_gzipped(source)
     if streamed:
         return disk_bytes(
             header,

@@ -209,7 +209,7 @@ def write_geojson(
 
             for r0 in range(0, height, slab_rows):
                 slab = np.asarray(labels[r0 : r0 + slab_rows])
-                ids, n = connected(slab, background=0, connectivity=2, return_num=True)
+                ids, n = connected(slab, background=0, connectivity=2, return_num=True)  # type: ignore[no-untyped-call]
                 if n:
                     areas = np.bincount(ids.ravel(), minlength=n + 1)
                     values = np.zeros(n + 1, np.int64)

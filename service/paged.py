@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -102,7 +102,9 @@ def unit_to_uint8(values: np.ndarray) -> np.ndarray:
     """Probabilities as uint8: ``round(255 * clip(p, 0, 1))`` (NaN as 0)."""
     if values.dtype == np.uint8:
         return values
-    scaled = np.rint(np.clip(np.nan_to_num(values.astype(np.float32, copy=False)), 0.0, 1.0) * 255.0)
+    scaled: np.ndarray = np.rint(
+        np.clip(np.nan_to_num(values.astype(np.float32, copy=False)), 0.0, 1.0) * 255.0
+    )
     return scaled.astype(np.uint8)
 
 
@@ -116,8 +118,8 @@ def _touched_bytes(view: np.ndarray) -> int:
     )
     if abs(view.strides[axis]) != view.itemsize:
         return view.size * _PAGE  # every element in its own page, at worst
-    run = view.shape[axis] * view.itemsize
-    return (view.size // view.shape[axis]) * max(run, _PAGE)
+    run = int(view.shape[axis]) * view.itemsize
+    return (view.size // int(view.shape[axis])) * max(run, _PAGE)
 
 
 def open_paged(
@@ -125,9 +127,9 @@ def open_paged(
     dtype: Any,
     shape: tuple[int, ...],
     *,
-    mode: str = "r+",
+    mode: Literal["r", "r+", "w+"] = "r+",
     offset: int = 0,
-    order: str = "C",
+    order: Literal["C", "F"] = "C",
 ) -> PagedMemmap:
     """Map ``path`` (from byte ``offset``) as a :class:`PagedMemmap` of ``shape`` and ``dtype``.
 

@@ -169,12 +169,12 @@ def precheck(model: Model, source: Path, params: InferenceParams, limits: Limits
 
     check_output_dtype(output_format(header.kind, spec, params), params, spec)
     if streams(header):  # read by region: no input held, the disk holds the output
-        from service.sniff import sniff
+        from service.sniff import sniff_gzipped
         from service.stages import check_disk, disk_bytes, output_format
         from service.writers import output_dtype
 
         labels = str(params.output or spec.defaults.output) == "labels"
-        gzipped = header.kind == "nifti" and sniff(source).gzipped
+        gzipped = header.kind == "nifti" and sniff_gzipped(source)
         fmt = output_format(header.kind, spec, params)
         dtype = output_dtype(params, labels, int(spec.out_channels))
         from service.slides import read_header

@@ -65,7 +65,7 @@ def full_slices(key: Any, ndim: int) -> tuple[slice, ...]:
     key = tuple(key) + (slice(None),) * (ndim - len(key))
     if any(not isinstance(k, slice) or k.step not in (None, 1) for k in key):
         raise TypeError(f"region reads take slices with step 1, got {key}")
-    return key
+    return tuple(key)
 
 
 class NiftiRegions(RegionSource):
@@ -83,7 +83,7 @@ class NiftiRegions(RegionSource):
         holder = nib.fileholders.FileHolder(filename=str(path))  # any name: uploads have no suffix
         try:
             try:
-                image = klass.from_file_map({"image": holder, "header": holder})
+                image = klass.from_file_map({"image": holder, "header": holder})  # type: ignore[no-untyped-call]
             except nib.spatialimages.HeaderDataError as exc:
                 if "vox offset" not in str(exc):
                     raise
@@ -126,7 +126,7 @@ class NiftiRegions(RegionSource):
 
         c, *spatial = full_slices(key, self.ndim)
         with open(self.path, "rb") as fh:
-            raw = fileslice(fh, (*spatial, c), self.file_shape, self.stored, self.offset, order="F")
+            raw = fileslice(fh, (*spatial, c), self.file_shape, self.stored, self.offset, order="F")  # type: ignore[no-untyped-call]
         return np.ascontiguousarray(np.moveaxis(self._scaled(np.asarray(raw)), -1, 0))
 
 
@@ -147,7 +147,7 @@ class TiffRegions(RegionSource):
         self.path = path
         store = tifffile.imread(path, aszarr=True, series=0, level=0)
         self._store = store
-        self.array = zarr.open(store, mode="r")
+        self.array = zarr.open_array(store, mode="r")
         with tifffile.TiffFile(path) as tif:
             series = tif.series[0]
             axes, shape = str(series.axes), tuple(int(n) for n in series.shape)
@@ -224,9 +224,9 @@ def open_regions(path: Path, header: Any, workdir: Path) -> RegionSource:
     """
     if header.kind == "tiff":
         return TiffRegions(path, header)
-    from service.sniff import sniff
+    from service.sniff import sniff_gzipped
 
-    if sniff(path).gzipped:
+    if sniff_gzipped(path):
         plain = workdir / "input-inflated.nii"
         _inflate(path, plain, int(header.nbytes))
         path = plain
@@ -266,5 +266,5 @@ def _with_offset_fixed(klass: Any, path: Path) -> Any:
         header = klass.header_class.from_fileobj(f, check=False)
     size = int(header["sizeof_hdr"])
     header["vox_offset"] = max(int(float(header["vox_offset"])), size + 4)
-    proxy = nib.arrayproxy.ArrayProxy(str(path), header)
+    proxy = nib.arrayproxy.ArrayProxy(str(path), header)  # type: ignore[no-untyped-call]
     return klass(proxy, None, header)

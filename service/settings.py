@@ -134,7 +134,8 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(default=2 * 2**30, ge=1)
     max_voxels: int = Field(default=2**30, ge=1)
     # Pillow's own decompression-bomb threshold (89.5 Mpx); raise it for big scans and slides.
-    max_image_pixels: int = Field(default=Image.MAX_IMAGE_PIXELS, ge=1)
+    # (Pillow's value is None when a program has turned its check off: its default then.)
+    max_image_pixels: int = Field(default=Image.MAX_IMAGE_PIXELS or 89_478_485, ge=1)
     queue_size: int = Field(default=8, ge=0)
     #: Requests the device executor runs at once, sharing forward batches (service.sharing); 1: off.
     shared_requests: int = Field(default=1, ge=1, le=64)

@@ -44,6 +44,7 @@ __all__ = [
     "sniff",
     "sniff_bytes",
     "sniff_file",
+    "sniff_gzipped",
 ]
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,17 @@ def sniff_file(path: str | Path) -> str | None:
     """
     found = sniff(path)
     return None if found is None else found.kind
+
+
+def sniff_gzipped(path: str | Path) -> bool:
+    """Whether :func:`sniff` finds the file at ``path`` inside gzip (a ``.nii.gz``); ``False`` too
+    when it finds no supported format.
+
+    Raises:
+        OSError: when the file cannot be read.
+    """
+    found = sniff(path)
+    return found is not None and found.gzipped
 
 
 def _gunzip_head(path: str | Path) -> tuple[bytes, bool]:

@@ -215,7 +215,7 @@ def prepare(
     from models.transforms.streamed import RegionPreprocessed
     from service.precheck import held_beside
     from service.regions import open_regions
-    from service.sniff import sniff
+    from service.sniff import sniff_gzipped
     from service.writers import open_output, output_dtype
 
     started = time.perf_counter()
@@ -223,7 +223,7 @@ def prepare(
     p = params.merged(spec.defaults)
     output_kind = str(p.output)
     labels = p.output == OutputKind.LABELS
-    gzipped = header.kind == "nifti" and sniff(source).gzipped
+    gzipped = header.kind == "nifti" and sniff_gzipped(source)
     folder = path.parent
     dtype = output_dtype(params, labels, int(spec.out_channels))
     from service.slides import read_header
@@ -270,9 +270,8 @@ def prepare(
         from service.pyramid import output_mpp
 
         mpp = output_mpp(header.info, tuple(header.spatial_shape), out_shape)  # ome.tiff / ome.zarr
-        scale = tuple(
-            float(i) / float(o) for i, o in zip(header.spatial_shape[-2:], out_shape[-2:], strict=True)
-        )
+        (in_y, in_x), (out_y, out_x) = header.spatial_shape[-2:], out_shape[-2:]
+        scale = (float(in_y) / float(out_y), float(in_x) / float(out_x))
         target = open_output(fmt, path, workdir, out_shape, int(spec.out_channels), dtype, labels=labels,
                              nifti=nifti, dpi=header.info.get("dpi"), unit_to_uint8=to_uint8,
                              provenance=provenance, mpp=mpp, scale=scale)  # fmt: skip

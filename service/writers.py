@@ -85,7 +85,7 @@ def _nifti_shape(
 def output_disk_bytes(fmt: str, spatial: tuple[int, ...], channels: int, dtype: Any) -> int:
     """Bytes of disk a streamed output needs at its largest: the data (uncompressed; a compressed
     output's temporary plus, at worst, as much again for the compressed file) plus headers."""
-    data = math.prod(spatial) * channels * np.dtype(dtype).itemsize
+    data: int = math.prod(spatial) * channels * np.dtype(dtype).itemsize
     compressed = fmt in ("nii.gz", "tiff", "ome.tiff", "ome.zarr", "geojson")
     pyramid = data // 3 if fmt in ("ome.tiff", "ome.zarr") else 0  # the coarser levels' temporaries
     return data * (2 if compressed else 1) + pyramid + (1 << 20)
@@ -123,8 +123,10 @@ class OutputTarget:
             from service.pyramid import write_ome_tiff
 
             write = write_ome_tiff if self.fmt == "ome.tiff" else write_ome_zarr
-            options = {k: self._tiff.get(k) for k in ("labels", "mpp", "provenance")}
-            write(self.array, self.path, workdir=self._temporary.parent, **options)
+            assert self._temporary is not None
+            tiff = self._tiff
+            write(self.array, self.path, workdir=self._temporary.parent, labels=bool(tiff.get("labels")),
+                  mpp=tiff.get("mpp"), provenance=tiff.get("provenance"))  # fmt: skip
         elif self.fmt == "geojson":
             from service.objects import write_geojson
 
@@ -206,6 +208,7 @@ def _open(
             array = grid if labels else grid[None]
         else:
             array = np.moveaxis(root.reshape((*spatial, channels), order="F"), -1, 0)
+        assert isinstance(array, PagedMemmap)  # reshape, moveaxis and [None] keep the subclass
         return OutputTarget(array, path, fmt, root, None if fmt == "nii" else raw)
     if fmt == "npy":
         shape = spatial if labels else (channels, *spatial)
@@ -289,7 +292,7 @@ def _write_nifti_header(
 
     source = info.get("header")
     if source is None:
-        image = nib.Nifti1Image(np.zeros((1,) * len(shape), dtype), np.eye(4))
+        image = nib.Nifti1Image(np.zeros((1,) * len(shape), dtype), np.eye(4))  # type: ignore[no-untyped-call]
         header = image.header
     else:
         header = source.copy()
@@ -298,26 +301,26 @@ def _write_nifti_header(
         header["cal_min"] = 0.0
         header["cal_max"] = 0.0
         cls = nib.Nifti2Image if int(info.get("version", 1)) == 2 else nib.Nifti1Image
-        image = cls(np.zeros((1,) * len(shape), dtype), None, header=header)
+        image = cls(np.zeros((1,) * len(shape), dtype), None, header=header)  # type: ignore[no-untyped-call]
         header = image.header
-    header.set_data_shape(shape)
-    image.update_header()
-    header.set_data_shape(shape)
+    header.set_data_shape(shape)  # type: ignore[no-untyped-call]
+    image.update_header()  # type: ignore[no-untyped-call]
+    header.set_data_shape(shape)  # type: ignore[no-untyped-call]
     header["scl_slope"], header["scl_inter"] = 1.0, 0.0  # what nibabel's writer stores for unscaled data
     if info.get("provenance") is not None:  # descrip and the JSON extension (service.provenance)
         from service.codecs.nifti import stamp_provenance
 
         stamp_provenance(header, info["provenance"])
     if len(header.extensions):  # the voxels start after the header and its extensions
-        size = int(header["sizeof_hdr"]) + 4 + header.extensions.get_sizeondisk()
-        header.set_data_offset(max(size, int(header.get_data_offset())))
+        size = int(header["sizeof_hdr"]) + 4 + header.extensions.get_sizeondisk()  # type: ignore[no-untyped-call]
+        header.set_data_offset(max(size, int(header.get_data_offset())))  # type: ignore[no-untyped-call]
     with open(path, "wb") as fh:
-        header.write_to(fh)
-        offset = int(header.get_data_offset())
+        header.write_to(fh)  # type: ignore[no-untyped-call]
+        offset = int(header.get_data_offset())  # type: ignore[no-untyped-call]
         if fh.tell() < offset:
             fh.write(b"\0" * (offset - fh.tell()))
         fh.truncate(offset + math.prod(shape) * dtype.itemsize)
-    return offset, np.dtype(header.get_data_dtype())  # the input's byte order (big-endian stays)
+    return offset, np.dtype(header.get_data_dtype())  # type: ignore[no-untyped-call]  # the input's byte order (big-endian stays)
 
 
 def _gzip(source: Path, target: Path) -> None:

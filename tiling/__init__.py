@@ -9,6 +9,8 @@ True
 
 from __future__ import annotations
 
+import typing
+
 from tiling.errors import (
     AccumulatorStateError,
     CoverageError,
@@ -29,6 +31,12 @@ from tiling.plan import (
     round_up,
 )
 from tiling.resume import Resume, ResumePoint, resume_point
+
+if typing.TYPE_CHECKING:  # the lazy names below, for type checkers only (no torch import at run time)
+    from tiling.engine import tiled_inference
+    from tiling.reuse import TileReuse
+    from tiling.seam import SeamStats
+    from tiling.windows import pad_to_fit, sample_windows, sliding_windows
 
 __all__ = [
     "AccumulatorStateError",

@@ -328,6 +328,7 @@ class SharedBatcher:
                     continue
                 started = time.perf_counter()
                 try:
+                    assert staged.x is not None  # a batch reaches the device only once stacked
                     with torch.inference_mode():
                         y = self.predictor(staged.x)
                     y = y if isinstance(y, torch.Tensor) else torch.as_tensor(y)

@@ -36,7 +36,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -188,8 +188,15 @@ class GridMapping:
         return out
 
 
+class _HasShape(Protocol):
+    """What :func:`plan_mapping` reads of an input it plans no frame for: its shape."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
 def plan_mapping(
-    data: npt.NDArray[Any],
+    data: npt.NDArray[Any] | _HasShape,
     affine: npt.ArrayLike | None,
     spec: ModelSpec,
     *,
@@ -199,7 +206,8 @@ def plan_mapping(
 
     Args:
         data: ``(C, *S)`` the input as the model takes it (``len(S) == spec.spatial_dims``); a
-            frame's box is found on its first channel.
+            frame's box is found on its first channel (without a frame, or with ``native``, only
+            ``data.shape`` is read: any object with a shape will do).
         affine: the input's voxel-to-world affine (``(4, 4)``, NIfTI), or ``None`` (no geometry).
         spec: the model's spec (``orientation``, ``spacing``, ``frame``).
         native: the request's ``spacing=native``: no resampling, no frame.
@@ -220,6 +228,7 @@ def plan_mapping(
     )
     if native or spec.frame is None:
         return GridMapping(geometry, as_float=as_float)
+    assert isinstance(data, np.ndarray)  # a frame's box is found on the voxels
     box = foreground_box(_oriented(data[:1], geometry.ornt)[0], margin=spec.frame.margin)
     frame = _resize_plan([b.stop - b.start for b in box], spec.frame.shape)
     logger.debug("frame: box %s of %s -> %s", box, geometry.reoriented_shape, frame.model_shape)
@@ -327,8 +336,9 @@ def run_mapped(
     copies = not np.shares_memory(x, data)
     wants_labels = (p.output or spec.defaults.output) == OutputKind.LABELS
     held = input_bytes + mapping.extra_bytes(spec.out_channels, labels=wants_labels)
-    budgeted = {"memory_budget": memory_budget, "input_bytes": held, "copies_input": copies}
-    plan = model.plan(x.shape[1:], p, sample=x, **budgeted)
+    plan = model.plan(
+        x.shape[1:], p, sample=x, memory_budget=memory_budget, input_bytes=held, copies_input=copies
+    )
     options = options or RunOptions()
     seam = model.seam_stats(plan) if options.tiled is None else None
     if check is not None:

@@ -88,6 +88,7 @@ def write_example_bundle(
     net = getattr(nets, network)(**args)
     for module in net.modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            assert module.running_mean is not None and module.running_var is not None  # tracked stats
             module.running_mean.uniform_(-0.2, 0.2)
             module.running_var.uniform_(0.5, 1.5)
     root = Path(root)

@@ -102,7 +102,7 @@ def _nnunet(source: Path) -> list[str]:
         if not isinstance(arch, dict):
             continue
         names = [("network_class_name", arch.get("network_class_name"))]
-        kwargs = arch.get("arch_kwargs") if isinstance(arch.get("arch_kwargs"), dict) else {}
+        kwargs = arch["arch_kwargs"] if isinstance(arch.get("arch_kwargs"), dict) else {}
         for key in arch.get("_kw_requires_import") or ():
             names.append((f"arch_kwargs.{key}", kwargs.get(key)))
         for key, value in names:

@@ -214,7 +214,7 @@ def measure_footprint(
     cuda = dev.type == "cuda" and torch_backend and torch.cuda.is_available()
     small, large, b = measurement_tiles(default_tile, alignment, batch, fixed_tile=fixed_tile)
     runs: list[tuple[tuple[int, ...], int, int, float]] = []
-    methods = set()
+    methods: set[str] = set()
     for n in (1, b):
         for tile in (small, large):
             x = torch.rand((n, in_channels, *tile), generator=torch.Generator().manual_seed(0))

@@ -265,6 +265,7 @@ def size_plan(
 
     align = spec.alignment_per_axis
     window = spec.defaults.tile if spec.padding is not Placement.END else None
+    assert not isinstance(window, int)  # the spec's defaults hold one tile size per axis
 
     def plan_grid(limit: tuple[int, ...]) -> tuple[TileGrid, tuple[int, ...]]:
         def grid_of(t: tuple[int, ...], fixed: bool) -> tuple[TileGrid, tuple[int, ...]]:

@@ -48,6 +48,16 @@ def mni152_paths() -> dict[str, Path]:
     return paths
 
 
+def _fdata(path: Path) -> npt.NDArray[np.float32]:
+    """The float32 voxels of one of the template's NIfTI files."""
+    import nibabel as nib
+    from nibabel.dataobj_images import DataobjImage
+
+    image = nib.load(path)
+    assert isinstance(image, DataobjImage)  # the template's files are NIfTI images
+    return np.asarray(image.get_fdata(dtype=np.float32), dtype=np.float32)
+
+
 def load_mni152() -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.uint8]]:
     """The template as arrays ``(X, Y, Z) = (197, 233, 189)``, RAS, 1 mm.
 
@@ -55,12 +65,10 @@ def load_mni152() -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], npt
         ``(t1, maps, labels)``: the raw T1 (float32, 0..255), the ``(3, X, Y, Z)`` float32 class
         probabilities ``(1 - gm - wm, gm, wm)`` and their argmax as uint8 labels.
     """
-    import nibabel as nib
-
     paths = mni152_paths()
-    t1 = np.asarray(nib.load(paths["t1"]).get_fdata(dtype=np.float32))
-    gm = np.asarray(nib.load(paths["gm"]).get_fdata(dtype=np.float32)) / np.float32(255)
-    wm = np.asarray(nib.load(paths["wm"]).get_fdata(dtype=np.float32)) / np.float32(255)
+    t1 = _fdata(paths["t1"])
+    gm = _fdata(paths["gm"]) / np.float32(255)
+    wm = _fdata(paths["wm"]) / np.float32(255)
     maps = np.stack([np.clip(1 - gm - wm, 0, 1), gm, wm]).astype(np.float32)
     labels = np.argmax(maps, axis=0).astype(np.uint8)
     return t1, maps, labels

@@ -236,7 +236,7 @@ def _train(
             )
             running = 0.0
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    module = module.to(memory_format=torch.contiguous_format).eval()  # type: ignore[call-overload]
+    module = module.to(memory_format=torch.contiguous_format).eval()
     info = {
         "train_seconds": round(seconds, 1),
         "train_cpu_seconds": round(cpu_seconds, 1),

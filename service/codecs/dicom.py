@@ -175,7 +175,7 @@ def _frames_of(file: DicomFile) -> list[Frame]:
                     i,
                     _floats(position.get("ImagePositionPatient"), 3, "ImagePositionPatient", name),
                     _floats(orientation.get("ImageOrientationPatient"), 6, "ImageOrientationPatient", name),
-                    tuple(_floats(measures.get("PixelSpacing"), 2, "PixelSpacing", name)),  # type: ignore[arg-type]
+                    tuple(_floats(measures.get("PixelSpacing"), 2, "PixelSpacing", name)),
                     *_rescale(_group(ds, i, "PixelValueTransformationSequence")),
                 )
             )
@@ -194,7 +194,7 @@ def _frames_of(file: DicomFile) -> list[Frame]:
             None,
             _floats(ds.ImagePositionPatient, 3, "ImagePositionPatient", name),
             _floats(ds.ImageOrientationPatient, 6, "ImageOrientationPatient", name),
-            tuple(_floats(spacing, 2, "PixelSpacing", name)),  # type: ignore[arg-type]
+            tuple(_floats(spacing, 2, "PixelSpacing", name)),
             *_rescale(ds),
         )
     ]
@@ -488,12 +488,12 @@ def decode_dicom(
     if found.resampled:
         pixels = _unshear(pixels, found)
     data = np.ascontiguousarray(pixels.transpose(1, 0, 2))[None]
-    header = nib.Nifti1Header()
-    header.set_data_shape(shape)
-    header.set_data_dtype(data.dtype)
-    header.set_qform(found.affine, code=1)
-    header.set_sform(found.affine, code=1)
-    header.set_xyzt_units("mm", "sec")
+    header = nib.Nifti1Header()  # type: ignore[no-untyped-call]
+    header.set_data_shape(shape)  # type: ignore[no-untyped-call]
+    header.set_data_dtype(data.dtype)  # type: ignore[no-untyped-call]
+    header.set_qform(found.affine, code=1)  # type: ignore[no-untyped-call]
+    header.set_sform(found.affine, code=1)  # type: ignore[no-untyped-call]
+    header.set_xyzt_units("mm", "sec")  # type: ignore[no-untyped-call]
     logger.info(
         "decoded DICOM series %s: %d frame(s) shape=%s dtype=%s tilt=%.2f", found.series_uid,
         len(found.frames), shape, data.dtype, found.tilt_degrees,

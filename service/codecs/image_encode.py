@@ -41,10 +41,11 @@ def _label_palette() -> list[tuple[int, int, int]]:
         i += 1
         hue = (i * 0.618033988749895) % 1.0
         value = (1.0, 0.75, 0.5)[i % 3]
-        rgb = tuple(round(c * 255) for c in colorsys.hsv_to_rgb(hue, 0.85, value))
+        r, g, b = (round(c * 255) for c in colorsys.hsv_to_rgb(hue, 0.85, value))
+        rgb = (r, g, b)
         if rgb not in seen:
             seen.add(rgb)
-            colours.append(rgb)  # type: ignore[arg-type]
+            colours.append(rgb)
     return colours
 
 

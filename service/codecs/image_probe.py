@@ -11,7 +11,7 @@ import contextlib
 import logging
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +87,7 @@ def _orientation(img: Image.Image) -> int:
     return int(value) if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
-_PLUGINS = {
+_PLUGINS: dict[str, Callable[[str], Image.Image]] = {
     "png": PngImagePlugin.PngImageFile,
     "jpeg": JpegImagePlugin.JpegImageFile,
     "tiff": TiffImagePlugin.TiffImageFile,
@@ -119,6 +119,7 @@ def _probe_pillow(path: Path, kind: str, png: tuple[int, int, int, int] | None) 
         width, height = height, width
     if width < 1 or height < 1:
         raise DecodeError(f"corrupt {kind.upper()} header: {width}x{height} pixels")
+    dtype: np.dtype
     channels, dtype, reader = _pillow_channels(mode), np.dtype(np.uint8), "pillow"
     sample_bytes = bands * max(1, np.dtype(_pillow_dtype(mode)).itemsize)
     if png is not None:

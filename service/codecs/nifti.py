@@ -26,7 +26,7 @@ import logging
 import math
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import nibabel as nib
 import numpy as np
@@ -102,11 +102,11 @@ def _layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     return (dims[0], dims[1], dims[2]), channels
 
 
-def _open(path: Path, sniffed: Sniffed) -> BinaryIO:
+def _open(path: Path, sniffed: Sniffed) -> io.BufferedIOBase:
     return gzip.open(path, "rb") if sniffed.gzipped else open(path, "rb")  # noqa: SIM115
 
 
-def _read_header(fh: BinaryIO, sniffed: Sniffed) -> tuple[Any, tuple[int, ...], np.dtype, int]:
+def _read_header(fh: io.BufferedIOBase, sniffed: Sniffed) -> tuple[Any, tuple[int, ...], np.dtype, int]:
     """Read and validate the header (and its extensions) at the start of ``fh``.
 
     Returns:
@@ -243,7 +243,7 @@ def _slope_inter(header: Any) -> tuple[float, float]:
     return (1.0, 0.0) if slope is None else (float(slope), float(inter or 0.0))
 
 
-def _read_voxels(fh: BinaryIO, n_bytes: int) -> np.ndarray:
+def _read_voxels(fh: io.BufferedIOBase, n_bytes: int) -> np.ndarray:
     """``n_bytes`` from ``fh`` into a fresh buffer, chunk by chunk.
 
     ``np.empty`` reserves address space only: pages are committed as ``readinto`` fills them, so
@@ -253,10 +253,10 @@ def _read_voxels(fh: BinaryIO, n_bytes: int) -> np.ndarray:
         DecodeError: the stream ends before ``n_bytes``.
     """
     buffer = np.empty(n_bytes, np.uint8)
-    view = memoryview(buffer)
+    view = buffer.data  # memoryview(buffer): numpy declares the buffer protocol from Python 3.12 only
     done = 0
     while done < n_bytes:
-        got = fh.readinto(view[done : min(n_bytes, done + _READ_CHUNK)])  # type: ignore[attr-defined]
+        got = fh.readinto(view[done : min(n_bytes, done + _READ_CHUNK)])
         if not got:
             raise DecodeError(f"truncated NIfTI: the header declares {n_bytes} bytes of voxels, got {done}")
         done += got
@@ -377,7 +377,7 @@ def stamp_provenance(header: Any, provenance: Any) -> None:
 
 def _is_ours(extension: Any) -> bool:
     try:
-        return extension.get_code() == 6 and extension.get_content().startswith(b'{"tilewise"')
+        return bool(extension.get_code() == 6 and extension.get_content().startswith(b'{"tilewise"'))
     except Exception:  # noqa: BLE001 - a foreign extension that cannot be read is kept
         return False
 

@@ -84,6 +84,7 @@ class _Slide(Pyramid):
 
     def __init__(self, path: Path) -> None:
         import tiffslide
+        import zarr
 
         self.slide = tiffslide.TiffSlide(str(path))
         axes = self.slide.properties.get("tiffslide.series-axes")
@@ -91,7 +92,9 @@ class _Slide(Pyramid):
             self.slide.close()
             raise ValueError(f"axes {axes}")
         self.levels = [tuple(map(int, d)) for d in self.slide.level_dimensions]  # type: ignore[misc]
-        self.dtype = np.dtype(self.slide.zarr_group["0"].dtype)
+        level0 = self.slide.zarr_group["0"]
+        assert isinstance(level0, zarr.Array)  # tiffslide's group holds one array per level
+        self.dtype = np.dtype(level0.dtype)
 
     def read(self, level: int, x0: int, y0: int, x1: int, y1: int) -> np.ndarray:
         ds = self.slide.level_downsamples[level]
@@ -125,7 +128,7 @@ class _TiffLevels(Pyramid):
         if "Y" not in self.axes or "X" not in self.axes:
             self.tif.close()
             raise UnsupportedMediaTypeError(f"the TIFF's first series has axes {self.axes}: no 2D image")
-        self.arrays = [zarr.open(series.aszarr(level=k), mode="r") for k in range(len(series.levels))]
+        self.arrays = [zarr.open_array(series.aszarr(level=k), mode="r") for k in range(len(series.levels))]
         iy, ix = self.axes.index("Y"), self.axes.index("X")
         self.levels = [(int(a.shape[ix]), int(a.shape[iy])) for a in self.arrays]
         self.dtype = np.dtype(series.dtype)

@@ -5,6 +5,8 @@ Handlers only do HTTP (parse, respond, headers); the work is :mod:`service.pipel
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends
 
 from service.routes.catalog import router as catalog_router
@@ -18,7 +20,7 @@ from service.security import require_api_key
 __all__ = ["health_router", "v1_router"]
 
 #: Responses every ``/v1`` route may give (its own list adds the rest).
-_COMMON = {
+_COMMON: dict[int | str, dict[str, Any]] = {
     400: error_doc(
         "bad_parameter", "An invalid parameter (`bad_parameter`), or a Host not allowed (`bad_host`)."
     ),

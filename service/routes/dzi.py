@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Query
@@ -34,7 +34,7 @@ router = APIRouter(tags=["jobs"])
 _FORMATS = {"input": "jpeg", "result": "png"}
 _MEDIA = {"jpeg": "image/jpeg", "png": "image/png"}
 _HEADERS = {"Cache-Control": "private, max-age=3600"}
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     400: error_doc("bad_parameter", "Level, column, row or channel not an integer, or a wrong format."),
     404: error_doc("unknown_job", "No job of this id, no such tile (`not_found`), or no input kept."),
     409: error_doc("job_not_done", "The result of a job that is not done."),

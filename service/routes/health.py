@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -33,7 +35,7 @@ async def readyz(request: Request, settings: SettingsDep, repository: Repository
     state = request.app.state
     if not getattr(state, "ready", False) or getattr(state, "draining", False):
         draining = getattr(state, "draining", False)
-        warming = getattr(state, "warming", None)
+        warming: Any = getattr(state, "warming", None)
         names = warming.warming() if not draining and hasattr(warming, "warming") else None
         if draining:
             detail = "the server is stopping"
@@ -41,7 +43,7 @@ async def readyz(request: Request, settings: SettingsDep, repository: Repository
             detail = "models are not loaded"
         else:
             detail = f"models are warming up: {', '.join(names)}" if names else "starting"
-        body = {"error": "not_ready", "detail": detail, "request_id": current_request_id()}
+        body: dict[str, Any] = {"error": "not_ready", "detail": detail, "request_id": current_request_id()}
         return JSONResponse(
             body if names is None else {**body, "warming": names},
             status_code=503,

@@ -11,7 +11,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import APIRouter, Request
@@ -38,6 +38,8 @@ from service.upload import Pace, receive_upload
 __all__ = ["router"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 router = APIRouter(tags=["models"])
 
@@ -237,9 +239,7 @@ def _work(
     return result
 
 
-async def _await_job(
-    future: concurrent.futures.Future[InferenceResult], request: Request
-) -> InferenceResult | None:
+async def _await_job(future: concurrent.futures.Future[T], request: Request) -> T | None:
     """The job's result, or ``None`` when the client disconnects first (the job is cancelled
     if it has not started; the caller stops a running one)."""
 
@@ -298,6 +298,7 @@ async def infer(
         # an inference slot, so slow senders never hold the device queue.
         with state.uploads.hold(client):
             workdir = await anyio.to_thread.run_sync(state.workroot.mkdtemp)
+            assert workdir is not None  # a new folder (app.state is untyped)
             pace = Pace(settings.upload_min_rate, settings.upload_grace_s, settings.upload_idle_s,
                         pressure=state.uploads.pressure)  # fmt: skip
             source, n_bytes = await receive_upload(

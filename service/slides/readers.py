@@ -21,12 +21,17 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from service.errors import UnusableInputError
 from service.tilecache import TileCache, read_tiles
+
+if TYPE_CHECKING:
+    import zarr
+
+    from service.codecs.volume import Probe
 
 __all__ = [
     "MPP_RANGE",
@@ -73,7 +78,7 @@ class SlideInfo:
         }
 
 
-def slide_probe(info: SlideInfo, kind: str = "tiff") -> Any:
+def slide_probe(info: SlideInfo, kind: str = "tiff") -> Probe:
     """The :class:`~service.codecs.Probe` of a slide: level 0 ``(H, W)``, 3 channels, uint8; its
     ``info`` holds ``slide: true``, :meth:`SlideInfo.describe`'s keys (``mpp_note`` too) and
     ``level_used`` 0 (what a request with no ``mpp`` or ``level`` reads for a model without an
@@ -89,7 +94,7 @@ def slide_probe(info: SlideInfo, kind: str = "tiff") -> Any:
 WSI_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.6"
 
 
-def probe_dicom_wsi(path: Path) -> Any:
+def probe_dicom_wsi(path: Path) -> Probe | None:
     """The :class:`~service.codecs.Probe` (kind ``slide``, reader ``openslide``) of a DICOM
     whole-slide image file, ``None`` for any other DICOM input (a folder, a zip, a series).
 
@@ -193,7 +198,8 @@ def _probe_tifffile(path: Path) -> SlideInfo:
         )
         vendor = next((f[3:] for f in _SLIDE_FLAGS if getattr(tif, f, False)), "generic-tiff")
         page = tif.pages.first
-        mpp, note = None, "tifffile reads no slide mpp (install the `slides` extra for tiffslide)"
+        mpp: float | None = None
+        note: str | None = "tifffile reads no slide mpp (install the `slides` extra for tiffslide)"
         if page.tags.get("XResolution") is not None and page.tags.get("ResolutionUnit") is not None:
             num, den = page.tags["XResolution"].value
             unit = int(page.tags["ResolutionUnit"].value)
@@ -254,13 +260,20 @@ class _TiffSlide(_Slide):
         self.info = info
         self._slide = tiffslide.TiffSlide(path)
         self._group = self._slide.zarr_group
-        self.dtype = np.dtype(self._group["0"].dtype)
+        self.dtype = np.dtype(self._level(0).dtype)
         self._lock = threading.Lock()
         self.tiles = TileCache()  # decoded stored tiles: each decoded once while regions share it
 
+    def _level(self, level: int) -> zarr.Array[Any]:
+        import zarr
+
+        array = self._group[str(level)]
+        assert isinstance(array, zarr.Array)  # tiffslide's group holds one array per level
+        return array
+
     def read(self, level: int, y0: int, y1: int, x0: int, x1: int) -> np.ndarray:
         with self._lock:  # one zarr store, one file handle
-            return _rgb(read_tiles(self._group[str(level)], y0, y1, x0, x1, self.tiles, level))
+            return _rgb(read_tiles(self._level(level), y0, y1, x0, x1, self.tiles, level))
 
     def close(self) -> None:
         self.tiles.clear()
@@ -276,7 +289,7 @@ class _TifffileSlide(_Slide):
         self._stores = [
             tifffile.imread(path, aszarr=True, series=0, level=k) for k in range(len(info.levels))
         ]
-        self._arrays = [zarr.open(s, mode="r") for s in self._stores]
+        self._arrays = [zarr.open_array(s, mode="r") for s in self._stores]
         self.dtype = np.dtype(self._arrays[0].dtype)
         self._lock = threading.Lock()
         self.tiles = TileCache()  # decoded stored tiles: each decoded once while regions share it

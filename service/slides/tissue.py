@@ -53,7 +53,7 @@ class TissueMask:
         from skimage.filters import threshold_otsu
 
         sat = rgb2hsv(thumb)[..., 1]
-        threshold = float(threshold_otsu(sat)) if float(np.ptp(sat)) > 0 else 1.0
+        threshold = float(threshold_otsu(sat)) if float(np.ptp(sat)) > 0 else 1.0  # type: ignore[no-untyped-call]
         threshold = min(max(threshold, 0.02), 0.08)
         density = -np.log10(np.maximum(thumb.astype(np.float32), 1.0) / 255.0).mean(axis=-1)
         tissue = (sat > threshold) | (density > 0.25)
@@ -87,7 +87,8 @@ class TissueMask:
         tx0, tx1 = thumb_span(np.asarray(xs, np.int64).reshape(-1, 2), W, w)
         s = self._sum
         total = s[ty1[:, None], tx1[None]] - s[ty0[:, None], tx1[None]] - s[ty1[:, None], tx0[None]]
-        return (total + s[ty0[:, None], tx0[None]]) == 0
+        empty: np.ndarray = (total + s[ty0[:, None], tx0[None]]) == 0  # numpy types == as Any
+        return empty
 
     def background(self, y0: int, y1: int, x0: int, x1: int) -> bool:
         """Whether the region ``[y0, y1) x [x0, x1)`` (out pixels, clipped to the image) has no tissue."""

@@ -22,7 +22,7 @@ from service.errors import (
     UnsupportedMediaTypeError,
     UnusableInputError,
 )
-from service.sniff import sniff_bytes
+from service.sniff import sniff_bytes, sniff_gzipped
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -70,6 +70,13 @@ def test_sniff_nifti_ignores_names(tmp_path: Path) -> None:
     pair = bytearray(img.to_bytes()[:348])
     pair[344:348] = b"ni1\x00"
     assert sniff(_write(tmp_path / "d", bytes(pair))) is None  # .hdr of a pair: no voxels here
+
+
+def test_sniff_gzipped_by_content(tmp_path: Path) -> None:
+    img = nib.Nifti1Image(np.zeros((4, 4, 4), np.int16), np.eye(4))
+    assert sniff_gzipped(_write(tmp_path / "scan.nii.gz", gzip.compress(img.to_bytes())))
+    assert not sniff_gzipped(_write(tmp_path / "scan.gz", img.to_bytes()))  # the name says nothing
+    assert not sniff_gzipped(_write(tmp_path / "text.gz", gzip.compress(b"not an image" * 100)))
 
 
 def test_decode_refuses_empty_unknown_and_truncated(tmp_path: Path) -> None:
