@@ -136,17 +136,17 @@ def read_tiles(
     top = y0 // th
 
     def done(k: Any) -> bool:  # in raster order: another level's tiles, and rows above this read
-        return k[0] != key or k[1] < top
+        return bool(k[0] != key or k[1] < top)
 
     for ty in range(y0 // th, -(-y1 // th)):
-        tiles = {tx: cache.get((key, ty, tx)) for tx in cols}
+        tiles: dict[int, np.ndarray | None] = {tx: cache.get((key, ty, tx)) for tx in cols}
         missing = [tx for tx in cols if tiles[tx] is None]
         for a, b in _runs(missing):  # consecutive missing tiles: one read, each tile decoded once
             block = np.asarray(array[ty * th : min((ty + 1) * th, H), a * tw : min((b + 1) * tw, W)])
             for tx in range(a, b + 1):
-                tile = np.ascontiguousarray(block[:, (tx - a) * tw : (tx - a + 1) * tw])
-                cache.put((key, ty, tx), tile, done)
-                tiles[tx] = tile
+                stored = np.ascontiguousarray(block[:, (tx - a) * tw : (tx - a + 1) * tw])
+                cache.put((key, ty, tx), stored, done)
+                tiles[tx] = stored
         ra, rb = max(y0, ty * th), min(y1, (ty + 1) * th)
         for tx in cols:
             ca, cb = max(x0, tx * tw), min(x1, (tx + 1) * tw)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from service.codecs.volume import Probe
 from service.errors import UnusableInputError
 from service.slides.readers import slide_info
 from service.slides.regions import SlideRegions, open_slide_regions
@@ -100,7 +101,7 @@ def slide_fields(path: Path, header: Any, spec: Any, params: Any, plan: Any) -> 
     return fields
 
 
-def set_level_used(header: Any, spec: Any, params: Any = None) -> Any:
+def set_level_used(header: Probe, spec: Any, params: Any = None) -> Probe:
     """``header`` with ``info["level_used"]`` the level a request reads (:func:`resolution_of` of
     ``params`` merged with the spec's defaults: the request's ``level`` or ``mpp``, else the spec's
     ``mpp``, else 0), as the dry run reports it; set in place (the header stays the same object),
