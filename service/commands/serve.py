@@ -159,11 +159,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
-
-    from service.app import create_app
-    from service.server import DrainingServer, protocol_with
 
     try:
         settings = settings_from_args(args)
@@ -174,6 +170,18 @@ def _run(args: argparse.Namespace) -> int:
     settings = exposure_check(settings, args.host)
     if settings is None:
         return 2
+    busy = port_in_use(args.host, args.port)
+    if busy is not None:  # said now, not after every model has loaded and warmed up
+        logger.error(
+            "cannot listen on http://%s:%d: %s; stop it, or pick another --port or --host",
+            args.host, args.port, busy,
+        )  # fmt: skip
+        return 2
+    import uvicorn
+
+    from service.app import create_app
+    from service.server import DrainingServer, protocol_with
+
     logger.info("starting tilewise on http://%s:%d", args.host, args.port)
     try:
         app = create_app(settings)
@@ -190,8 +198,31 @@ def _run(args: argparse.Namespace) -> int:
         h11_max_incomplete_event_size=settings.max_header_bytes,
         limit_concurrency=settings.max_connections,
     )
-    DrainingServer(config, app.state, settings.drain_s).run()
-    return 0
+    server = DrainingServer(config, app.state, settings.drain_s)
+    server.run()
+    return 0 if server.started else 1  # uvicorn logs why it did not start (the port taken since)
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now, or ``None``.
+
+    Binds a socket as uvicorn will (``SO_REUSEADDR``) and closes it at once: ``"address already in
+    use (another tilewise serve?)"``, or the system's reason (``"[Errno 99] Cannot assign requested
+    address"``).
+    """
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "address already in use (another tilewise serve?)"
+            return str(exc)
+    return None
 
 
 def is_loopback(host: str) -> bool:

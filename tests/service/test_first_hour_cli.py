@@ -149,3 +149,18 @@ def test_extra_hint_names_the_checkout_when_installed_from_one() -> None:
         assert Path(hint.split("'")[1][: -len("[import]")]).resolve() == REPO.resolve() or "-e" not in hint
     else:
         assert hint == "pip install 'tilewise[import]'"
+
+
+def test_serve_on_a_taken_port_fails_at_once() -> None:
+    # A second `tilewise serve` (the first still running in another terminal) used to load and warm
+    # every model, fail to bind, and exit 0.
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = tilewise("serve", "--port", str(port), "--no-warmup", importtime=True)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot listen on http://127.0.0.1:{port}: address already in use" in done.stderr
+    assert "torch" not in _imported(done.stderr)  # said before any model loads
