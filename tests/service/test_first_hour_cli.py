@@ -164,3 +164,21 @@ def test_serve_on_a_taken_port_fails_at_once() -> None:
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"cannot listen on http://127.0.0.1:{port}: address already in use" in done.stderr
     assert "torch" not in _imported(done.stderr)  # said before any model loads
+
+
+@pytest.mark.parametrize("command", ["infer", "plan", "batch"])
+def test_inference_options_state_one_default(command: str) -> None:
+    # `--output-dtype` said "float32 (default) ... (default: the model's)", `--tilt` "refuse
+    # (default, 422) ... (default: the model's)", `--series` "(default: the model's)" (no model
+    # has a series).
+    from service.cli import build_parser
+
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    helps = {a.option_strings[0]: a.help or "" for a in sub._actions if a.dest.startswith("param_")}
+    assert {"--output-dtype", "--tilt", "--series", "--tile"} <= set(helps)
+    suffix = "(default: the model's)"
+    doubled = [o for o, h in helps.items() if h.lower().count("default") > 1 and h.endswith(suffix)]
+    assert not doubled, doubled
+    assert all("default" in h.lower() for h in helps.values()), helps
+    assert "the model's" not in helps["--series"] and "the model's" not in helps["--level"]
