@@ -182,3 +182,23 @@ def test_inference_options_state_one_default(command: str) -> None:
     assert not doubled, doubled
     assert all("default" in h.lower() for h in helps.values()), helps
     assert "the model's" not in helps["--series"] and "the model's" not in helps["--level"]
+
+
+def test_batch_says_which_subfolders_it_did_not_walk(tmp_path: Path) -> None:
+    # A folder whose scans sit in subfolders gave "0 files found" and nothing more.
+    subject = tmp_path / "in" / "subject-01"
+    subject.mkdir(parents=True)
+    nib.save(nib.Nifti1Image(np.zeros((9, 8, 7), np.float32), np.eye(4)), subject / "t1.nii")
+    args = [
+        str(tmp_path / "in"),
+        str(tmp_path / "out"),
+        "--model",
+        "gaussian-3d",
+        "--url",
+        "http://127.0.0.1:9",
+    ]
+    done = tilewise("batch", *args, "--retries", "0", "--retry-for", "0")
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert "1 subfolder(s) of" in done.stderr and "(subject-01): add -r (--recursive)" in done.stderr
+    done = tilewise("batch", *args, "--retries", "0", "--retry-for", "0", "-r")  # walks: needs the server
+    assert "not walked" not in done.stderr
