@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,17 @@ def test_batch_says_which_subfolders_it_did_not_walk(tmp_path: Path) -> None:
     assert "1 subfolder(s) of" in done.stderr and "(subject-01): add -r (--recursive)" in done.stderr
     done = tilewise("batch", *args, "--retries", "0", "--retry-for", "0", "-r")  # walks: needs the server
     assert "not walked" not in done.stderr
+
+
+def test_serve_help_defaults_are_values() -> None:
+    # "(default: loopback: loopback)", "(default: basic authentication)" and "(default: prefer the
+    # environment variable)" were notes that `with_default` turned into defaults.
+    from service.cli import build_parser
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    helps = {a.option_strings[0]: a.help or "" for a in serve._actions if a.option_strings}
+    assert all("(default: none)" in helps[o] for o in ("--dicomweb-username", "--dicomweb-password"))
+    assert "(default: loopback names on loopback)" in helps["--allowed-hosts"]
+    bad = [o for o, h in helps.items() if re.search(r"\(default: (prefer|basic|loopback: loopback)", h)]
+    assert not bad, bad
