@@ -217,3 +217,14 @@ def test_serve_help_defaults_are_values() -> None:
     assert "(default: loopback names on loopback)" in helps["--allowed-hosts"]
     bad = [o for o, h in helps.items() if re.search(r"\(default: (prefer|basic|loopback: loopback)", h)]
     assert not bad, bad
+
+
+def test_example_network_help_does_not_say_transformers_are_refused() -> None:
+    # It said "UNETR and SwinUNETR bundles are refused at import" while both import (at one tile,
+    # tests/models/test_import_transformers.py) and the README's table says so.
+    from service.cli import build_parser
+
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices["import-model"]  # type: ignore[union-attr]
+    text = next(a.help or "" for a in sub._actions if "--example-network" in a.option_strings)
+    assert "UNETR" in text and "refused" not in text and "one tile" in text
