@@ -228,3 +228,19 @@ def test_example_network_help_does_not_say_transformers_are_refused() -> None:
     sub = parser._subparsers._group_actions[0].choices["import-model"]  # type: ignore[union-attr]
     text = next(a.help or "" for a in sub._actions if "--example-network" in a.option_strings)
     assert "UNETR" in text and "refused" not in text and "one tile" in text
+
+
+def test_log_level_is_checked_and_taken_after_the_command(tmp_path: Path) -> None:
+    # `--log-level quiet` was a ValueError traceback; `tilewise plan ... --log-level WARNING`
+    # was "unrecognized arguments".
+    done = tilewise("--log-level", "quiet", "plan", "x", "--model", "gaussian-3d")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "invalid choice: 'QUIET'" in done.stderr
+    missing = str(tmp_path / "nope.nii.gz")
+    done = tilewise("plan", missing, "--model", "gaussian-3d", "--log-level", "warning")
+    assert done.returncode == 2 and "no such file" in done.stderr and "unrecognized" not in done.stderr
+    from service.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["--log-level", "debug", "demo"]).log_level == "DEBUG"
+    assert parse(["--log-level", "debug", "demo", "--log-level", "error"]).log_level == "ERROR"
