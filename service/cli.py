@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from service._distributions import check_onnxruntime_distributions
 from service.options import HelpFormatter, plain_text
@@ -33,6 +34,15 @@ COMMANDS = (
 )
 
 
+#: ``--log-level``: a name of :mod:`logging`'s levels, any case (``quiet`` was a traceback).
+_LOG_LEVEL: dict[str, Any] = {
+    "type": str.upper,
+    "choices": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    "metavar": "LEVEL",
+    "help": "logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default: INFO)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser with every sub-command registered."""
     parser = argparse.ArgumentParser(
@@ -41,11 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"tilewise {version()}")
-    parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--log-level", default="INFO", **_LOG_LEVEL)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         module = importlib.import_module(f"service.commands.{name}")
         module.register(sub)
+    for command in sub.choices.values():  # also after the command: `tilewise plan ... --log-level WARNING`
+        command.add_argument("--log-level", default=argparse.SUPPRESS, **_LOG_LEVEL)
     # One style for every command's --help: plain text (docstrings lose their reST markup) and
     # the default of every option that has one.
     for command in sub.choices.values():

@@ -132,11 +132,12 @@ class ErrorInfo:
 def classify(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> ErrorInfo:
     """The status, code, detail and headers for ``exc`` (see :data:`STATUS`)."""
     if isinstance(exc, StarletteHTTPException):  # routing: 404 unknown path, 405 method, ...
+        headers = dict(exc.headers or {})
         return ErrorInfo(
             exc.status_code,
             _HTTP_CODES.get(exc.status_code, "http_error"),
-            str(exc.detail),
-            dict(exc.headers or {}),
+            _routing_detail(exc.status_code, str(exc.detail), headers),
+            headers,
         )
     entry = next((STATUS[c] for c in type(exc).__mro__ if c in STATUS), None)
     if entry is None:
@@ -157,6 +158,16 @@ def classify(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) 
     elif status in (408, 413):
         headers["Connection"] = "close"
     return ErrorInfo(status, code, detail, headers)
+
+
+def _routing_detail(status: int, detail: str, headers: dict[str, str]) -> str:
+    """Starlette's bare "Not Found" / "Method Not Allowed" of a routing miss, with what to do."""
+    if status == 404 and detail == "Not Found":
+        return "Not Found: no such path; the API's paths are listed at /docs (and /openapi.json)"
+    allow = next((v for k, v in headers.items() if k.lower() == "allow"), None)
+    if status == 405 and detail == "Method Not Allowed" and allow:
+        return f"Method Not Allowed: this path answers {allow} (see /docs)"
+    return detail
 
 
 def error_response(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> JSONResponse:

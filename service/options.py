@@ -39,18 +39,21 @@ def add_param_options(parser: Any, *, choices: bool = True) -> None:
     """Add one ``--name`` option per :class:`InferenceParams` field (``batch_size`` -> ``--batch-size``).
 
     Values stay text; :func:`models.planning.params.parse_params` validates them (``param_values(args)``).
-    With ``choices``, closed sets are argparse choices (a wrong value exits with status 2).
+    With ``choices``, closed sets are argparse choices (a wrong value exits with status 2). A help
+    text gets "(default: the model's)" unless its description states a default itself (the group's
+    title says that the model's spec comes first).
     """
     for name, field in InferenceParams.model_fields.items():
         if name in REQUEST_ONLY:
             continue
         allowed = InferenceParams.choices(name) if choices else None
+        text = (field.description or "").replace("`", "")
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=_DEST + name,
             metavar=None if allowed else name.upper(),
             choices=allowed,
-            help=(field.description or "").replace("`", "") + " (default: the model's)",
+            help=text if "default" in text.lower() else text + " (default: the model's)",
         )
 
 

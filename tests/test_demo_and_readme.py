@@ -30,6 +30,10 @@ def test_demo_matches_scipy_and_keeps_geometry(tmp_path, capsys):
     assert "gaussian-3d" in said and "MNI152" in said
     assert str((tmp_path / "mni152_t1_gaussian.nii.gz").resolve()) in said
     assert re.search(r"check against scipy\S* .*passed", said), said
+    # The template itself is left beside it, for the README's next steps (tissue-3d, the page).
+    template = tmp_path / "mni152_t1.nii.gz"
+    assert str(template.resolve()) in said
+    assert template.read_bytes() == mni152_path().read_bytes()
     out = nib.load(tmp_path / "mni152_t1_gaussian.nii.gz")
     src = nib.load(mni152_path())
     x = np.asarray(src.dataobj, dtype=np.float32)

@@ -302,10 +302,13 @@ def _place_tiles(
     if tile % alignment:
         raise GridError(f"tile_shape[{axis}]={tile} is not a multiple of alignment[{axis}]={alignment}")
     core = tile - 2 * halo
+    # the smallest tile with a stride of one alignment step: what to ask for instead
+    smallest = -(-(2 * halo + overlap + alignment) // alignment) * alignment
+    fix = f"; the smallest tile_shape[{axis}] for this halo and overlap is {smallest} (or lower them)"
     if core <= 0:
         raise GridError(
             f"halo[{axis}]={halo} leaves an empty core for tile_shape[{axis}]={tile} "
-            f"(core = tile - 2 * halo = {core})"
+            f"(core = tile - 2 * halo = {core}){fix}"
         )
 
     def stride_of(t: int) -> int:
@@ -315,7 +318,7 @@ def _place_tiles(
     if stride <= 0:
         raise GridError(
             f"overlap[{axis}]={overlap} leaves no positive stride for core {core} "
-            f"(tile_shape[{axis}]={tile}, halo[{axis}]={halo}, alignment[{axis}]={alignment})"
+            f"(tile_shape[{axis}]={tile}, halo[{axis}]={halo}, alignment[{axis}]={alignment}){fix}"
         )
     n = -(-(extent - tile) // stride) + 1
     if not sized:

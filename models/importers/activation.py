@@ -76,7 +76,7 @@ def choose_activation(outputs: Sequence[np.ndarray], given: str | None, name: st
     if given is None:
         activation = found
         how = f"{activation} chosen" if found != "none" else "no activation added"
-        other = "; --activation says otherwise" if found != "none" else ""
+        other = " (--activation none keeps the raw outputs)" if found != "none" else ""
         reason = f"{measured}; {how}{other}"
     else:
         if unit and given != "none":

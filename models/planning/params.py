@@ -359,7 +359,8 @@ class InferenceParams(BaseModel):
     )
     series: Annotated[str | None, BeforeValidator(_uid)] = Field(
         default=None,
-        description="DICOM input: the SeriesInstanceUID to read when the upload holds several series.",
+        description="DICOM input: the SeriesInstanceUID to read when the upload holds several series "
+        "(default: none; an upload of several series is refused with their list).",
     )
     tilt: Annotated[Tilt | None, _choice(Tilt)] = Field(
         default=None,
@@ -372,7 +373,9 @@ class InferenceParams(BaseModel):
         "or `model` (default: the model's `mpp`; level 0 when it has none). Excludes `level`.",
     )
     level: Annotated[int | None, BeforeValidator(_level)] = Field(
-        default=None, description="Slides: the pyramid level to read (0 = full resolution). Excludes `mpp`."
+        default=None,
+        description="Slides: the pyramid level to read (0 = full resolution). Excludes `mpp` "
+        "(default: the level that `mpp` picks).",
     )
     mask: Annotated[MaskMode | None, _choice(MaskMode)] = Field(
         default=None,

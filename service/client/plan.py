@@ -47,6 +47,7 @@ __all__ = [
     "inside",
     "output_format",
     "output_relpath",
+    "unwalked_folders",
 ]
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,19 @@ def _walk(root: Path, *, recursive: bool, exclude: Path | None) -> list[tuple[Pa
 
     walk(root, real_root)
     return found
+
+
+def unwalked_folders(input_dir: Path, *, patterns: Sequence[str] = (), recursive: bool = False) -> list[str]:
+    """Names of ``input_dir``'s subfolders that :func:`discover` does not walk (sorted): every
+    non-hidden one without ``recursive`` (or a pattern with ``/`` or ``**``), else none.
+    """
+    if recursive or any("/" in p or "**" in p for p in patterns):
+        return []
+    try:
+        entries = list(os.scandir(input_dir))
+    except OSError:
+        return []
+    return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
 
 
 def discover(

@@ -40,7 +40,7 @@ from service.client.batch_types import BatchOptions, BatchOutcome, _Job, _Run
 from service.client.errors import OutputDirError
 from service.client.manifest import MANIFEST_NAME, Manifest
 from service.client.outdir import _prepare_output_dir, remove_stale_parts
-from service.client.plan import discover
+from service.client.plan import discover, unwalked_folders
 from service.client.progress import LogProgress, Progress
 from service.client.report import REPORT_NAME, FileResult, Status, write_report
 from service.client.send import ABORTED, NOT_SENT, _send
@@ -191,6 +191,13 @@ def run_batch(
         len(jobs),
         len(results),
     )
+    if folders := unwalked_folders(input_dir, patterns=options.patterns, recursive=options.recursive):
+        shown = ", ".join(folders[:3]) + (", ..." if len(folders) > 3 else "")
+        logger.log(
+            logging.INFO if jobs else logging.WARNING,
+            "%d subfolder(s) of %s not walked (%s): add -r (--recursive) to send their files",
+            len(folders), input_dir, shown,
+        )  # fmt: skip
     if jobs and defaults is None:
         # Fail fast on an unknown model, a wrong key or a server that is not there.
         _model_defaults(client, options.model, reachable=True)

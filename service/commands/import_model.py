@@ -101,7 +101,7 @@ def register(subparsers: Any) -> None:
         choices=_EXAMPLE_NETWORKS,
         default="UNet",
         help="the monai.networks.nets class in the example bundle (default: UNet; UNETR and SwinUNETR "
-        "bundles are refused at import: see the README's table)",
+        "import at one tile, their roi_size: see the README's table)",
     )
     parser.set_defaults(run=_run)
 

@@ -56,7 +56,13 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("input", type=Path, help="input file: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG or TIFF")
+    parser.add_argument(
+        "input",
+        type=Path,
+        help="input file: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG, TIFF, a whole-slide image (SVS, NDPI, "
+        "OME-TIFF ...: the slides extra), or DICOM: a file, the folder or .zip of one series "
+        "(the dicom extra)",
+    )
     parser.add_argument("output", type=Path, help="output file")
     parser.add_argument("--model", required=True, help="model name (see GET /v1/models)")
     add_param_options(

@@ -34,7 +34,7 @@ _work = argparse_number(float, 0.0, strict=True)
 #: ``(option, Settings field, argparse type, help)``; the variable is ``TILEWISE_<FIELD>``.
 _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--models", "models_dir", Path, "model folder (default: ~/.cache/tilewise/models)"),
-    ("--user-models", "user_models_dir", Path, "setup-models' folder, added (~/.cache/tilewise/models)"),
+    ("--user-models", "user_models_dir", Path, "setup-models' folder, served too (~/.cache/tilewise/models)"),
     ("--measurements-dir", "measurements_dir", Path, "warm-up measurements (~/.cache/tilewise/measurements)"),
     ("--device", "device", str, "cpu, cuda, cuda:N or mps (default: CUDA when available)"),
     ("--queue-size", "queue_size", _count, "requests allowed to wait for the device (default: 8)"),
@@ -45,7 +45,7 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--max-image-pixels", "max_image_pixels", _positive, "2D image bomb limit, pixels (89478485)"),
     ("--api-key", "api_key", str, "key required on /v1 (Bearer); prefer the variable: ps shows argv (none)"),
     ("--api-keys", "api_keys", Path, "file of named keys, name:key or name:sha256:HEX a line (none)"),
-    ("--allowed-hosts", "allowed_hosts", str, "Host names answered, comma-separated (loopback: loopback)"),
+    ("--allowed-hosts", "allowed_hosts", str, "Hosts answered, comma-separated (loopback names on loopback)"),
     ("--cors-origins", "cors_origins", str, "origins whose pages may call the API (none)"),
     ("--jobs-max-bytes", "jobs_max_bytes", argparse_bytes, "bytes finished jobs may keep (no cap)"),
     ("--retry-after", "retry_after_s", _count, "Retry-After seconds sent with 503 (default: 2)"),
@@ -85,8 +85,8 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--dask-min-voxels", "dask_min_voxels", _count, "jobs above this many voxels go to Dask (64000000)"),
     ("--dask-workdir", "dask_workdir", Path, "folder Dask workers share for zarr copies (the job's)"),
     ("--dicomweb-url", "dicomweb_url", str, "DICOMweb root that jobs by study/series UID use (unset)"),
-    ("--dicomweb-username", "dicomweb_username", str, "DICOMweb user (basic authentication)"),
-    ("--dicomweb-password", "dicomweb_password", str, "DICOMweb password (prefer the environment variable)"),
+    ("--dicomweb-username", "dicomweb_username", str, "DICOMweb user, for basic authentication (none)"),
+    ("--dicomweb-password", "dicomweb_password", str, "DICOMweb password; prefer the variable (none)"),
 )
 
 
@@ -159,11 +159,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
-
-    from service.app import create_app
-    from service.server import DrainingServer, protocol_with
 
     try:
         settings = settings_from_args(args)
@@ -174,6 +170,18 @@ def _run(args: argparse.Namespace) -> int:
     settings = exposure_check(settings, args.host)
     if settings is None:
         return 2
+    busy = port_in_use(args.host, args.port)
+    if busy is not None:  # said now, not after every model has loaded and warmed up
+        logger.error(
+            "cannot listen on http://%s:%d: %s; stop it, or pick another --port or --host",
+            args.host, args.port, busy,
+        )  # fmt: skip
+        return 2
+    import uvicorn
+
+    from service.app import create_app
+    from service.server import DrainingServer, protocol_with
+
     logger.info("starting tilewise on http://%s:%d", args.host, args.port)
     try:
         app = create_app(settings)
@@ -190,8 +198,31 @@ def _run(args: argparse.Namespace) -> int:
         h11_max_incomplete_event_size=settings.max_header_bytes,
         limit_concurrency=settings.max_connections,
     )
-    DrainingServer(config, app.state, settings.drain_s).run()
-    return 0
+    server = DrainingServer(config, app.state, settings.drain_s)
+    server.run()
+    return 0 if server.started else 1  # uvicorn logs why it did not start (the port taken since)
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now, or ``None``.
+
+    Binds a socket as uvicorn will (``SO_REUSEADDR``) and closes it at once: ``"address already in
+    use (another tilewise serve?)"``, or the system's reason (``"[Errno 99] Cannot assign requested
+    address"``).
+    """
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "address already in use (another tilewise serve?)"
+            return str(exc)
+    return None
 
 
 def is_loopback(host: str) -> bool:

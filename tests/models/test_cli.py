@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,18 @@ def test_export_onnx_says_the_stride_grid_and_the_file_keeps_to_it(
     assert session.run(None, {name: np.zeros((1, 1, 12, 12, 12), np.float32)})[0].shape[2:] == (12, 12, 12)
     with pytest.raises(Exception):  # noqa: B017 - onnxruntime's own error types (a Concat mismatch)
         session.run(None, {name: np.zeros((1, 1, 11, 11, 11), np.float32)})
+
+
+def test_setup_models_without_an_index_says_which_wheel_to_fetch(
+    tmp_path: Path, wheel_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Offline, the deepbet download failed with pip's "No matching distribution" and nothing on
+    # what to do; --deepbet-wheel is the way, and the error now names it.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no site index, mirror or find-links
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    assert main(["setup-models", "--models", str(tmp_path), "--wheel", str(wheel_path)]) == 1
+    assert (tmp_path / TEXT_DET_FILE).is_file()  # the wheel given still works
+    failed = [r.getMessage() for r in caplog.records if "setup-models failed" in r.getMessage()]
+    assert len(failed) == 1 and "brain-mask-3d" in failed[0], failed
+    assert "pip download --no-deps --only-binary=:all: deepbet==1.0.2" in failed[0]
+    assert "pass it with --deepbet-wheel PATH" in failed[0]

@@ -40,7 +40,11 @@ def test_logits_get_softmax_and_the_served_output_is_probabilities(
     net = _net(3)
     spec = _import(tmp_path, net, "logits")
     assert spec["output"]["activation"] == "softmax" and "probabilities" in spec["description"]
-    assert "raw logits; softmax chosen" in (tmp_path / "m" / "logits.yaml").read_text()
+    # the comment says how to keep the logits ("--activation says otherwise" left a reader asking what)
+    assert (
+        "raw logits; softmax chosen (--activation none keeps the raw outputs)"
+        in (tmp_path / "m" / "logits.yaml").read_text()
+    )
     x = rng.standard_normal((1, 19, 23, 17)).astype(np.float32)
     got = ModelRepository(tmp_path / "m", device="cpu").get("logits").run(x, parse_params({}))
     with torch.inference_mode():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,97 @@ def test_extra_hint_names_the_checkout_when_installed_from_one() -> None:
         assert Path(hint.split("'")[1][: -len("[import]")]).resolve() == REPO.resolve() or "-e" not in hint
     else:
         assert hint == "pip install 'tilewise[import]'"
+
+
+def test_serve_on_a_taken_port_fails_at_once() -> None:
+    # A second `tilewise serve` (the first still running in another terminal) used to load and warm
+    # every model, fail to bind, and exit 0.
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = tilewise("serve", "--port", str(port), "--no-warmup", importtime=True)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot listen on http://127.0.0.1:{port}: address already in use" in done.stderr
+    assert "torch" not in _imported(done.stderr)  # said before any model loads
+
+
+@pytest.mark.parametrize("command", ["infer", "plan", "batch"])
+def test_inference_options_state_one_default(command: str) -> None:
+    # `--output-dtype` said "float32 (default) ... (default: the model's)", `--tilt` "refuse
+    # (default, 422) ... (default: the model's)", `--series` "(default: the model's)" (no model
+    # has a series).
+    from service.cli import build_parser
+
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    helps = {a.option_strings[0]: a.help or "" for a in sub._actions if a.dest.startswith("param_")}
+    assert {"--output-dtype", "--tilt", "--series", "--tile"} <= set(helps)
+    suffix = "(default: the model's)"
+    doubled = [o for o, h in helps.items() if h.lower().count("default") > 1 and h.endswith(suffix)]
+    assert not doubled, doubled
+    assert all("default" in h.lower() for h in helps.values()), helps
+    assert "the model's" not in helps["--series"] and "the model's" not in helps["--level"]
+
+
+def test_batch_says_which_subfolders_it_did_not_walk(tmp_path: Path) -> None:
+    # A folder whose scans sit in subfolders gave "0 files found" and nothing more.
+    subject = tmp_path / "in" / "subject-01"
+    subject.mkdir(parents=True)
+    nib.save(nib.Nifti1Image(np.zeros((9, 8, 7), np.float32), np.eye(4)), subject / "t1.nii")
+    args = [
+        str(tmp_path / "in"),
+        str(tmp_path / "out"),
+        "--model",
+        "gaussian-3d",
+        "--url",
+        "http://127.0.0.1:9",
+    ]
+    done = tilewise("batch", *args, "--retries", "0", "--retry-for", "0")
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert "1 subfolder(s) of" in done.stderr and "(subject-01): add -r (--recursive)" in done.stderr
+    done = tilewise("batch", *args, "--retries", "0", "--retry-for", "0", "-r")  # walks: needs the server
+    assert "not walked" not in done.stderr
+
+
+def test_serve_help_defaults_are_values() -> None:
+    # "(default: loopback: loopback)", "(default: basic authentication)" and "(default: prefer the
+    # environment variable)" were notes that `with_default` turned into defaults.
+    from service.cli import build_parser
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    helps = {a.option_strings[0]: a.help or "" for a in serve._actions if a.option_strings}
+    assert all("(default: none)" in helps[o] for o in ("--dicomweb-username", "--dicomweb-password"))
+    assert "(default: loopback names on loopback)" in helps["--allowed-hosts"]
+    bad = [o for o, h in helps.items() if re.search(r"\(default: (prefer|basic|loopback: loopback)", h)]
+    assert not bad, bad
+
+
+def test_example_network_help_does_not_say_transformers_are_refused() -> None:
+    # It said "UNETR and SwinUNETR bundles are refused at import" while both import (at one tile,
+    # tests/models/test_import_transformers.py) and the README's table says so.
+    from service.cli import build_parser
+
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices["import-model"]  # type: ignore[union-attr]
+    text = next(a.help or "" for a in sub._actions if "--example-network" in a.option_strings)
+    assert "UNETR" in text and "refused" not in text and "one tile" in text
+
+
+def test_log_level_is_checked_and_taken_after_the_command(tmp_path: Path) -> None:
+    # `--log-level quiet` was a ValueError traceback; `tilewise plan ... --log-level WARNING`
+    # was "unrecognized arguments".
+    done = tilewise("--log-level", "quiet", "plan", "x", "--model", "gaussian-3d")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "invalid choice: 'QUIET'" in done.stderr
+    missing = str(tmp_path / "nope.nii.gz")
+    done = tilewise("plan", missing, "--model", "gaussian-3d", "--log-level", "warning")
+    assert done.returncode == 2 and "no such file" in done.stderr and "unrecognized" not in done.stderr
+    from service.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["--log-level", "debug", "demo"]).log_level == "DEBUG"
+    assert parse(["--log-level", "debug", "demo", "--log-level", "error"]).log_level == "ERROR"

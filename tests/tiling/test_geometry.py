@@ -186,6 +186,18 @@ def test_overlap_leaves_no_stride_after_alignment(image):
         tiled_inference(image, identity, 12, halo=2, overlap=5, alignment=4)
 
 
+def test_refused_tile_names_the_smallest_that_runs(image):
+    # "leaves an empty core" said what is wrong, not what to ask for (a first `?tile=8` with a
+    # model whose halo is 24). 2 * 8 + 1 = 17; 2 * 2 + 12 + 1 = 17; 2 * 2 + 5 + 4 = 13 -> 16 on 4.
+    with _raises(GridError, "empty core", "smallest tile_shape[0] for this halo and overlap is 17"):
+        tiled_inference(image, identity, 16, halo=(8, 2))
+    with _raises(GridError, "no positive stride", "smallest tile_shape[1] for this halo and overlap is 17"):
+        tiled_inference(image, identity, 16, halo=2, overlap=(0, 12))
+    with _raises(GridError, "smallest tile_shape[0] for this halo and overlap is 16"):
+        tiled_inference(image, identity, 12, halo=2, overlap=5, alignment=4)
+    tiled_inference(image, identity, 16, halo=2, overlap=5, alignment=4)  # and 16 runs
+
+
 def test_tile_not_multiple_of_alignment(image):
     with _raises(GridError, "tile_shape[0]=18", "alignment[0]=4"):
         tiled_inference(image, identity, (18, 16), alignment=4)
