@@ -132,12 +132,12 @@ class ErrorInfo:
 def classify(exc: BaseException, *, retry_after_s: int = DEFAULT_RETRY_AFTER_S) -> ErrorInfo:
     """The status, code, detail and headers for ``exc`` (see :data:`STATUS`)."""
     if isinstance(exc, StarletteHTTPException):  # routing: 404 unknown path, 405 method, ...
-        headers = dict(exc.headers or {})
+        given = dict(exc.headers or {})
         return ErrorInfo(
             exc.status_code,
             _HTTP_CODES.get(exc.status_code, "http_error"),
-            _routing_detail(exc.status_code, str(exc.detail), headers),
-            headers,
+            _routing_detail(exc.status_code, str(exc.detail), given),
+            given,
         )
     entry = next((STATUS[c] for c in type(exc).__mro__ if c in STATUS), None)
     if entry is None:
