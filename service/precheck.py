@@ -236,10 +236,10 @@ def held_beside(spec: Any, header: Probe, *, streamed: bool) -> dict[str, Any]:
     """What a request holds beside its plan, as :func:`models.planning.cost.peak_bytes` takes it: the
     decoded input and its float copy; a streamed request (:mod:`service.stages`) neither, and its
     output is on disk; a streamed slide its cache of decoded stored tiles
-    (:data:`service.tilecache.TILE_CACHE_BYTES` at most: no more than the slide's level 0)."""
+    (:data:`service.slides.tilecache.TILE_CACHE_BYTES` at most: no more than the slide's level 0)."""
     if streamed:
         from service.slides import slide_info
-        from service.tilecache import TILE_CACHE_BYTES
+        from service.slides.tilecache import TILE_CACHE_BYTES
 
         cache = min(TILE_CACHE_BYTES, input_bytes(header)) if slide_info(header) is not None else 0
         return {"input_bytes": cache, "copies_input": False, "output_on_disk": True}

@@ -281,8 +281,10 @@ def prepare(
             from service.paged import paged
             from service.pipeline import _output_layout
 
-            # the checkpoint in the output's memory order: finish copies it slab by slab
-            order = "F" if fmt in ("nii", "nii.gz") else "C"
+            # the checkpoint in the output's memory order (a NIfTI's is Fortran): finish copies it
+            # slab by slab
+            root = target.root
+            order = "F" if root.ndim > 1 and root.flags.f_contiguous and not root.flags.c_contiguous else "C"
             kept, prepared.resume = checkpoint.start(plan, *_output_layout(spec, plan), order=order)
             prepared.kept = paged(kept) if isinstance(kept, np.memmap) else kept
         prepared.stages["prepare"] = time.perf_counter() - started
@@ -305,10 +307,11 @@ def _copy_slabs(source: Any, target: Any, lead: int, block: int = 64) -> None:
     """``target[...] = source``, the checkpoint into the output, with the pages of both handed back
     as it goes (:class:`~service.paged.PagedMemmap`).
 
-    A Fortran-ordered ``source`` (the checkpoint of a NIfTI output, in the target's order) goes in
-    slabs of at most :data:`COPY_BYTES` along the last axis, the slowest in both files: each slab
-    is contiguous in each, and its pages are handed back before the next, so the resident memory of
-    the copy is two slabs whatever the volume's extent. Otherwise (C order) it goes block by block:
+    A Fortran-ordered ``source`` (the checkpoint of a NIfTI output, its spatial axes in the
+    target's order) goes in slabs of at most :data:`COPY_BYTES` along the last axis, the slowest
+    spatial axis in both files: each slab is one run of the source and one run per channel of the
+    target, and its pages are handed back before the next, so the resident memory of the copy is
+    two slabs whatever the volume's extent. Otherwise (C order) it goes block by block:
     ``block`` voxels along axis ``lead`` (the first spatial axis) and along the last axis, every
     other axis whole."""
     if source.ndim > 1 and source.flags.f_contiguous and not source.flags.c_contiguous:

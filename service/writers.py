@@ -108,6 +108,11 @@ class OutputTarget:
     _temporary: Path | None = None
     _tiff: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def root(self) -> PagedMemmap:
+        """The mapped file itself (its memory order is the output's: Fortran for a NIfTI)."""
+        return self._root
+
     def finish(self) -> Path:
         """Flush and write the output file; remove the temporaries. Returns :attr:`path`."""
         self._root.flush()

@@ -10,6 +10,9 @@ One module per concept, their public names re-exported here:
   coarsest level is too fine; at most :data:`MAX_READ_PIXELS` decoded per tile.
 - :mod:`~service.dzi.render`: a tile as a picture (:func:`render_tile`, :func:`encode_tile`): the
   input as JPEG, the result in the page's legend colours (:func:`display_window`).
+
+The constants re-exported here are read where they are defined: to change ``MAX_READ_PIXELS`` or
+``OVERVIEW_EDGE`` (tests do), set them on :mod:`service.dzi.pyramids`.
 """
 
 from service.dzi.layout import OVERLAP, TILE_SIZE, DeepZoom, TileBox, dzi_xml

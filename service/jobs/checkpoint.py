@@ -1,9 +1,13 @@
 """A job's partial output on disk, and the record of its finished slabs.
 
 The network's output goes to ``partial.npy`` in the job's folder, a ``.npy`` memmap of the whole
-result (``(C_out, *spatial)`` float32/float16 values, or ``(*spatial)`` uint8 labels), in the
-memory order of the output it is copied to at the end (Fortran for a NIfTI, so that the copy goes
-slab by slab along the last axis, contiguous in both files; C otherwise). The engine
+result (``(C_out, *spatial)`` float32/float16 values, or ``(*spatial)`` uint8 labels), with the
+spatial axes in the memory order of the output it is copied to at the end: Fortran for a NIfTI
+(the last spatial axis slowest, so that the copy goes slab by slab along it, each slab one run of
+the checkpoint and one run per channel of the NIfTI), C otherwise. The price of Fortran order:
+every tile row dirties pages across the whole file, so the flush after each row writes about the
+whole file again (an 800-slice CT job wrote 5.9 GB against 2.7 GB in C order, and ran 18 %
+faster: no transposing copy at the end). A record saved before the order was kept names C. The engine
 writes it slab by slab along axis 0; a *slab* is the output of one tile row (every tile with the
 same index along axis 0), final once the row's last tile is merged (:mod:`tiling.resume`). Each
 finished slab is flushed (``msync``), then recorded in the job's ``state.json``
@@ -74,15 +78,19 @@ class SlabCheckpoint:
         rows = 0
         out: Any = None
         saved = self.saved or {}
-        if saved.get("key") == key and self.path.is_file() and len(plan.flips) == 1:
+        before = saved.get("key")
+        if isinstance(before, dict) and "order" not in before:  # saved before the order was kept: C
+            before = {**before, "order": "C"}
+        if before == key and self.path.is_file() and len(plan.flips) == 1:
             try:
                 out = np.lib.format.open_memmap(self.path, mode="r+")
             except (OSError, ValueError) as exc:
                 logger.warning("%s unreadable (%s): starting over", self.path, exc)
             else:
-                if out.shape == tuple(shape) and out.dtype == dtype and _order(out) == order:
+                if out.shape == tuple(shape) and out.dtype == dtype and _in_order(out, order):
                     rows = int(saved.get("rows_done", 0))
-                else:  # pragma: no cover - the key names shape and dtype
+                else:  # a file that does not match its record (replaced, or written by another run)
+                    logger.warning("%s does not match its record: starting over", self.path)
                     out = None
         if out is None:
             out = np.lib.format.open_memmap(
@@ -97,6 +105,7 @@ class SlabCheckpoint:
         self.save({"key": self._key, "rows_done": rows})
 
 
-def _order(array: np.ndarray) -> str:
-    """``"F"`` for a Fortran-ordered array of more than one dimension, else ``"C"``."""
-    return "F" if array.ndim > 1 and array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+def _in_order(array: np.ndarray, order: str) -> bool:
+    """Whether ``array``'s memory is in ``order`` (``"C"`` or ``"F"``); an array with at most one
+    axis longer than 1 is in both."""
+    return bool(array.flags.f_contiguous if order == "F" else array.flags.c_contiguous)

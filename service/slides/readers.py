@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.errors import UnusableInputError
-from service.tilecache import TileCache, read_tiles
+from service.slides.tilecache import TileCache, read_tiles
 
 if TYPE_CHECKING:
     import zarr

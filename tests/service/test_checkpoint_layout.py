@@ -87,6 +87,48 @@ def test_a_saved_checkpoint_of_another_order_is_started_over(tmp_path: Path) -> 
     assert resume.rows_done == 1 and same.flags.f_contiguous
 
 
+def _plan_of(shape: tuple[int, ...], tile: tuple[int, ...]):
+    from tiling import TileGrid
+
+    class _Plan:
+        grid = TileGrid.plan(shape, tile)
+        batch_size = 1
+        flips = ((),)
+
+        def header(self) -> str:
+            return "tile=" + ",".join(map(str, tile))
+
+    return _Plan()
+
+
+def test_a_record_saved_before_the_order_was_kept_resumes_in_c_order(tmp_path: Path) -> None:
+    path, records = tmp_path / "partial.npy", []
+    plan, shape, dtype = _plan_of((20, 20, 20), (10, 10, 10)), (1, 20, 20, 20), np.dtype(np.float32)
+    SlabCheckpoint(path, None, records.append, lambda plan, point: None).start(plan, shape, dtype)
+    old = {"key": {k: v for k, v in records[-1]["key"].items() if k != "order"}, "rows_done": 1}
+    _, resume = SlabCheckpoint(path, old, records.append, lambda plan, point: None).start(plan, shape, dtype)
+    assert resume.rows_done == 1
+    _, resume = SlabCheckpoint(path, old, records.append, lambda plan, point: None).start(
+        plan, shape, dtype, order="F"
+    )
+    assert resume.rows_done == 0  # the file is C-ordered: a Fortran run starts over
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_a_checkpoint_with_one_long_axis_resumes_in_either_order(tmp_path: Path, order: str) -> None:
+    """A labels output of shape ``(1, 37)`` is both C- and Fortran-contiguous: it still resumes."""
+    path, records = tmp_path / "partial.npy", []
+    plan, shape, dtype = _plan_of((1, 37), (1, 16)), (1, 37), np.dtype(np.uint8)
+    SlabCheckpoint(path, None, records.append, lambda plan, point: None).start(
+        plan, shape, dtype, order=order
+    )
+    saved = {**records[-1], "rows_done": 1}
+    _, resume = SlabCheckpoint(path, saved, records.append, lambda plan, point: None).start(
+        plan, shape, dtype, order=order
+    )
+    assert resume.rows_done == 1
+
+
 @pytest.mark.parametrize("channels", [1, 3])
 def test_a_fortran_copy_matches_into_a_nifti_like_target(tmp_path: Path, channels: int) -> None:
     spatial = (13, 7, 29)

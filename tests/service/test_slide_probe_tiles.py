@@ -1,6 +1,6 @@
 """A slide's probe reports ``level_used`` as the dry run does, and region reads of a tiled slide
 decode each stored tile once (issue 21 follow-ups: DESIGN "third wave", probe and dry run keys;
-:mod:`service.tilecache`).
+:mod:`service.slides.tilecache`).
 
 Oracles nobody here wrote: tifffile reading a level whole (the decoded stored tiles, for the cached
 region reads: the same decoder, so the difference must be 0); tifffile's own zarr store, whose
@@ -27,7 +27,7 @@ from _slides import write_svs
 from models import ModelRepository
 from models.planning.params import parse_params
 from service.slides import open_slide, open_slide_regions, probe_slide
-from service.tilecache import TileCache, read_tiles
+from service.slides.tilecache import TileCache, read_tiles
 
 pytest.importorskip("tiffslide")
 
@@ -179,7 +179,7 @@ def test_cached_regions_equal_tifffile_and_decode_each_tile_once(svs, reader, mo
 
         info = replace(info, reader="tifffile")
     decodes = _Decodes(monkeypatch)
-    for bound in (None, 1 << 20, 0):  # the default; one that evicts (5 tiles of 192 KiB, a row is 6); none
+    for bound in (None, 1536 << 10, 0):  # the default; one that evicts (8 tiles of 192 KiB, a row is 6); none
         decodes.counts.clear()
         with closing(open_slide(svs, info)) as slide:
             if bound is not None:
@@ -280,6 +280,49 @@ def test_read_tiles_of_a_plain_array_matches_slicing():
         assert np.array_equal(read_tiles(array, y0, y1, x0, x1, cache), data[y0:y1, x0:x1])
 
 
+def test_read_tiles_shared_by_threads_equals_slicing():
+    """Four threads on one small cache (no reader lock around it): every region equals the array."""
+    zarr = pytest.importorskip("zarr")
+    data = np.random.default_rng(1).integers(0, 255, (211, 173, 3), dtype=np.uint8)
+    array = zarr.create_array(store={}, shape=data.shape, chunks=(16, 16, 3), dtype=np.uint8)
+    array[:] = data
+    cache = TileCache(16 * 16 * 3 * 6)  # 6 tiles: the threads evict each other's
+    boxes = list(_raster_boxes(data.shape[:2], tile=(23, 29), halo=4))
+    bad: list[tuple] = []
+
+    def work(part):
+        for y0, y1, x0, x1 in part:
+            if not np.array_equal(read_tiles(array, y0, y1, x0, x1, cache), data[y0:y1, x0:x1]):
+                bad.append((y0, x0))
+
+    threads = [threading.Thread(target=work, args=(boxes[k::4],)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad and cache.nbytes <= cache.max_bytes
+
+
+def test_a_short_region_across_a_wide_level_is_read_directly():
+    """A 60-row strip of an 8192-wide level is 1.4 MiB but touches 6 MiB of stored tiles: over
+    half the cache's 8 MiB, it is read without keeping them (traced peak under 4 MiB; through the
+    cache, 2 x 6 MiB)."""
+    import tracemalloc
+
+    zarr = pytest.importorskip("zarr")
+    array = zarr.create_array(store={}, shape=(512, 8192, 3), chunks=(256, 256, 3), dtype=np.uint8)
+    array[:] = 7
+    cache = TileCache(8 << 20)
+    tracemalloc.start()
+    try:
+        got = read_tiles(array, 100, 160, 0, 8192, cache)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got.shape == (60, 8192, 3) and int(got.min()) == int(got.max()) == 7
+    assert len(cache) == 0 and peak < 4 << 20, (len(cache), peak)
+
+
 # ---------------------------------------------------------------- the cache in the memory plan
 def test_the_memory_plan_counts_the_tile_cache_of_a_streamed_slide(svs, model, tmp_path):
     """The planner's peak holds the slide's tile cache (bounded by the level's bytes); a plain
@@ -290,7 +333,7 @@ def test_the_memory_plan_counts_the_tile_cache_of_a_streamed_slide(svs, model, t
     from service.dryrun import dry_run
     from service.pipeline import Limits
     from service.precheck import held_beside
-    from service.tilecache import TILE_CACHE_BYTES
+    from service.slides.tilecache import TILE_CACHE_BYTES
 
     header = probe(svs)
     held = held_beside(model.spec, header, streamed=True)

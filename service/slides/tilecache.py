@@ -16,8 +16,9 @@ the rows of tiles a row of regions spans fit in the bound (``rows x level width 
 :data:`TILE_CACHE_BYTES`); on a wider level the tiles the regions to the right share are still
 kept (a few columns), and the tiles of the rows two rows of regions share are decoded twice.
 
-Reads the cache cannot serve well go to the array directly: a region larger than half the cache
-(a thumbnail's strips), or stored tiles larger than a quarter of it (a level stored as one strip).
+Reads the cache cannot serve well go to the array directly: a region whose stored tiles are more
+than half the cache (a thumbnail's strips, a short region across a wide level), or stored tiles
+larger than a quarter of it (a level stored as one strip).
 
 Memory: at most ``max_bytes`` of tiles beside the region read, plus, during a read, the tiles of
 that region.
@@ -129,7 +130,12 @@ def read_tiles(
     region = (y1 - y0) * (x1 - x0) * itemsize
     tile_bytes = th * tw * itemsize
     inside = 0 <= y0 < y1 <= H and 0 <= x0 < x1 <= W
-    if not inside or region > cache.max_bytes // 2 or tile_bytes > cache.max_bytes // 4:
+    if not inside:
+        return np.asarray(array[y0:y1, x0:x1])
+    # the stored tiles the region touches, read whole and kept: a short, wide region touches
+    # far more than its own bytes (a 60-row strip of a 40,960-wide level: 7 MiB, its tiles 60 MiB)
+    touched = (-(-y1 // th) - y0 // th) * (-(-x1 // tw) - x0 // tw) * tile_bytes
+    if max(region, touched) > cache.max_bytes // 2 or tile_bytes > cache.max_bytes // 4:
         return np.asarray(array[y0:y1, x0:x1])
     out = np.empty((y1 - y0, x1 - x0, *tail), np.dtype(array.dtype))
     cols = range(x0 // tw, -(-x1 // tw))
