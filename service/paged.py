@@ -12,12 +12,14 @@ behaviour; they share one counter.
 
 What an access maps is bounded by the bytes its view *spans* (first to last byte), not by the
 bytes it holds: the kernel maps a faulted page's whole page-cache folio, and folios are large
-(up to :data:`FOLIO_BYTES`) when read-ahead is (issue 20: one 99 x 99 x 112 tile written into a
-512 x 512 x 400 float32 NIfTI holds 4.2 MiB in 4 KiB pages but mapped 87 MiB). So every access
-counts its span plus a folio at each end, and a write spanning more than :data:`PIECE_BYTES` is
-cut into pieces that do not (along its axes of largest stride), each counted before it is
-written: the resident pages of a mapping stay under :data:`DROP_BYTES` whatever the layout (C or
-Fortran order) and the shape of the writes.
+(up to :data:`FOLIO_BYTES`) when read-ahead is (issue 20: one 99 x 99 x 112 float32 tile written
+into a Fortran-ordered 512 x 512 x 400 NIfTI holds 4.2 MiB of data on about 22 MiB of 4 KiB
+pages, and mapped 87 MiB). So every access counts its span plus a folio at each end, and a write
+spanning more than :data:`PIECE_BYTES` is cut into pieces that do not (along its axes of largest
+stride), each counted before it is written: a mapping's resident pages stay under
+:data:`DROP_BYTES` whatever the layout (C or Fortran order) and the shape of the writes, and
+under about :data:`PIECE_BYTES` between two writes (a write that leaves more hands them back as
+it ends), while the engine computes the next tiles.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class PagedMemmap(np.memmap):
         if not isinstance(target, np.ndarray):  # one element, or a fancy index (the whole span)
             self._reserve(_cost(self) if target is None else 2 * FOLIO_BYTES)
             super().__setitem__(key, value)
+            self._settle()
             return
         value = np.asarray(value)
         if np.may_share_memory(value, target):  # pieces must not read what earlier ones wrote
@@ -98,6 +101,7 @@ class PagedMemmap(np.memmap):
             view = np.ndarray.__getitem__(target, piece)
             self._reserve(_cost(view))
             np.copyto(view, value[piece], casting="unsafe")
+        self._settle()
 
     def __getitem__(self, key: Any) -> Any:
         got = super().__getitem__(key)
@@ -117,6 +121,13 @@ class PagedMemmap(np.memmap):
             mm.madvise(mmap.MADV_DONTNEED)
         if self._counter is not None:
             self._counter.touched = 0
+
+    def _settle(self) -> None:
+        """After a write: hand the pages back when more than :data:`PIECE_BYTES` are mapped, so that
+        between writes (while the engine computes the next tiles) a mapping holds little."""
+        counter = self._counter
+        if counter is not None and counter.touched > PIECE_BYTES:
+            self.drop()
 
     def _reserve(self, cost: int) -> None:
         """Count ``cost`` bytes about to be mapped; hand the mapped pages back first when they
