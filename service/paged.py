@@ -3,12 +3,12 @@
 A shared file mapping counts in the process's resident memory (``RssFile``, and so ``VmHWM``)
 for every page touched, until it is unmapped: writing a 6 GB output through ``numpy.memmap``
 "costs" 6 GB of RSS although the kernel could drop every page at will. :class:`PagedMemmap` is a
-``numpy.memmap`` that keeps at most about :data:`DROP_BYTES` of its pages mapped: before a read
-or write that would take it over, and on :meth:`~PagedMemmap.flush`, it advises the kernel that
-it no longer needs the pages mapped so far (``madvise(MADV_DONTNEED)``). For a shared file
-mapping that discards nothing: the data stay in the page cache (dirty ones are written back) and a
-later access maps them again. Views (slices, ``reshape``, ``moveaxis``, ``[None]``) keep the
-behaviour; they share one counter.
+``numpy.memmap`` that keeps few of its pages mapped: before a read or write that would take them
+past :data:`HOLD_BYTES`, after a write that leaves more than :data:`PIECE_BYTES`, and on
+:meth:`~PagedMemmap.flush`, it advises the kernel that it no longer needs the pages mapped so far
+(``madvise(MADV_DONTNEED)``). For a shared file mapping that discards nothing: the data stay in
+the page cache (dirty ones are written back) and a later access maps them again. Views (slices,
+``reshape``, ``moveaxis``, ``[None]``) keep the behaviour; they share one counter.
 
 What an access maps is bounded by the bytes its view *spans* (first to last byte), not by the
 bytes it holds: the kernel maps a faulted page's whole page-cache folio, and folios are large
@@ -16,10 +16,12 @@ bytes it holds: the kernel maps a faulted page's whole page-cache folio, and fol
 into a Fortran-ordered 512 x 512 x 400 NIfTI holds 4.2 MiB of data on about 22 MiB of 4 KiB
 pages, and mapped 87 MiB). So every access counts its span plus a folio at each end, and a write
 spanning more than :data:`PIECE_BYTES` is cut into pieces that do not (along its axes of largest
-stride), each counted before it is written: a mapping's resident pages stay under
-:data:`DROP_BYTES` whatever the layout (C or Fortran order) and the shape of the writes, and
-under about :data:`PIECE_BYTES` between two writes (a write that leaves more hands them back as
-it ends), while the engine computes the next tiles.
+stride; the pieces of a tile then lie on separate folios), each counted before it is written. A
+mapping's resident pages stay under :data:`HOLD_BYTES` during a write and under
+:data:`PIECE_BYTES` between two writes (while the engine computes the next tiles), whatever the
+layout (C or Fortran order) and the shape of the writes: well under :data:`DROP_BYTES`, what
+the cost model counts. A read's view cannot be cut: it maps up to its own cost (callers read in
+blocks).
 """
 
 from __future__ import annotations
@@ -34,13 +36,24 @@ import numpy as np
 
 from models.planning.cost import STREAMED_OUTPUT_BYTES
 
-__all__ = ["DROP_BYTES", "FOLIO_BYTES", "PIECE_BYTES", "PagedMemmap", "open_paged", "paged", "unit_to_uint8"]
+__all__ = [
+    "DROP_BYTES",
+    "FOLIO_BYTES",
+    "HOLD_BYTES",
+    "PIECE_BYTES",
+    "PagedMemmap",
+    "open_paged",
+    "paged",
+    "unit_to_uint8",
+]
 
-#: Most bytes of one mapping's pages resident at once (64 MiB: what the cost model counts for an
-#: output on disk).
+#: What the cost model counts for an output on disk (64 MiB): the bound on one mapping's
+#: resident pages that :data:`HOLD_BYTES` and :data:`PIECE_BYTES` keep well under.
 DROP_BYTES = STREAMED_OUTPUT_BYTES
-#: Most bytes a write spans in one piece (a quarter of :data:`DROP_BYTES`).
-PIECE_BYTES = DROP_BYTES // 4
+#: Most bytes of one mapping's pages resident during a write (16 MiB).
+HOLD_BYTES = DROP_BYTES // 4
+#: Most bytes a write spans in one piece, and most kept mapped after a write (8 MiB).
+PIECE_BYTES = DROP_BYTES // 8
 
 
 def _folio_bytes() -> int:
@@ -66,8 +79,8 @@ class _Counter:
 
 
 class PagedMemmap(np.memmap):
-    """A ``numpy.memmap`` whose touched pages are handed back every :data:`DROP_BYTES` (see the
-    module docstring). Make one with :func:`open_paged`."""
+    """A ``numpy.memmap`` whose mapped pages are handed back as it goes (see the module
+    docstring). Make one with :func:`open_paged`."""
 
     _counter: _Counter | None = None
     #: Values written are probabilities stored as uint8: ``round(255 * clip(p, 0, 1))``.
@@ -131,12 +144,12 @@ class PagedMemmap(np.memmap):
 
     def _reserve(self, cost: int) -> None:
         """Count ``cost`` bytes about to be mapped; hand the mapped pages back first when they
-        would pass :data:`DROP_BYTES`."""
+        would pass :data:`HOLD_BYTES`."""
         counter = self._counter
         if counter is None or cost <= 0:
             return
         with counter.lock:
-            due = counter.touched > 0 and counter.touched + cost > DROP_BYTES
+            due = counter.touched > 0 and counter.touched + cost > HOLD_BYTES
             counter.touched = cost if due else counter.touched + cost
         if due:
             mm = getattr(self, "_mmap", None)

@@ -1,5 +1,5 @@
-"""The resident pages of a streamed output or checkpoint stay under :data:`service.paged.DROP_BYTES`
-whatever the tile shape (issue 20, "peak memory follows the tile").
+"""The resident pages of a streamed output or checkpoint stay under a fixed bound whatever the tile
+shape (:data:`service.paged.HOLD_BYTES`, 16 MiB; issue 20, "peak memory follows the tile").
 
 Before, a :class:`~service.paged.PagedMemmap` counted the 4 KiB pages a write holds, but the
 kernel maps a faulted page's whole page-cache folio (up to 2 MiB when read-ahead is large): one
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import service.paged as paged_module
-from service.paged import DROP_BYTES, PIECE_BYTES, _pieces, _span, open_paged
+from service.paged import DROP_BYTES, HOLD_BYTES, PIECE_BYTES, _pieces, _span, open_paged
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_writes_in_pieces_equal_numpys_assignment(
 ) -> None:
     """Pieces of 256 bytes and drops every 4 KiB (tiny bounds, so that every write is cut)."""
     monkeypatch.setattr(paged_module, "PIECE_BYTES", 256)
-    monkeypatch.setattr(paged_module, "DROP_BYTES", 4096)
+    monkeypatch.setattr(paged_module, "HOLD_BYTES", 4096)
     shape = (7, 11, 13)
     out = open_paged(tmp_path / "o.raw", np.dtype(dtype), shape, mode="w+", order=order)
     oracle = np.zeros(shape, np.dtype(dtype), order=order)
@@ -184,9 +184,9 @@ def test_streamed_outputs_keep_their_pages_under_the_bound_whatever_the_tile(
     ct: Path, tmp_path: Path, fmt: str, kind: str, tiles: list[str]
 ) -> None:
     """Peak RSS rise (``VmHWM``, fresh process) while the plan's tiles are written into outputs of
-    137-200 MiB: at most :data:`~service.paged.DROP_BYTES` (64 MiB) and 4 MiB, for each tile shape;
+    137-200 MiB: at most :data:`~service.paged.HOLD_BYTES` (16 MiB) and 4 MiB, for each tile shape;
     between two writes (when the engine's own memory peaks) at most
-    :data:`~service.paged.PIECE_BYTES` (16 MiB) and 4 MiB."""
+    :data:`~service.paged.PIECE_BYTES` (8 MiB) and 4 MiB."""
     (tmp_path / "ct.nii").symlink_to(ct / "ct.nii")
     command = [sys.executable, "-c", _WORKER, str(tmp_path), fmt, kind, *tiles]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -194,5 +194,5 @@ def test_streamed_outputs_keep_their_pages_under_the_bound_whatever_the_tile(
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     for tile, row in rows.items():
         assert row["nbytes"] > 2 * DROP_BYTES and row["writes"] > 8 and row["last"] == 1.0, (tile, row)
-        assert row["rise"] <= DROP_BYTES + (4 << 20), (fmt, kind, rows)
+        assert row["rise"] <= HOLD_BYTES + (4 << 20), (fmt, kind, rows)
         assert row["held"] <= PIECE_BYTES + (4 << 20), (fmt, kind, rows)
