@@ -16,6 +16,7 @@ from models.planning.params import REQUEST_ONLY, InferenceParams, OutputFormat
 
 __all__ = [
     "FORMAT_SUFFIXES",
+    "INPUT_HELP",
     "HelpFormatter",
     "add_param_options",
     "argparse_bytes",
@@ -33,6 +34,14 @@ FORMAT_SUFFIXES: dict[str, str] = {f.value: f.suffix for f in OutputFormat}
 _DEST = "param_"
 
 N = TypeVar("N", int, float)
+
+
+#: The help of a command's input file (``tilewise infer``, ``tilewise plan``).
+INPUT_HELP = (
+    "input file: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG, TIFF, a whole-slide image (SVS, NDPI, "
+    "OME-TIFF ...: the slides extra), or DICOM: a file, the folder or .zip of one series "
+    "(the dicom extra)"
+)
 
 
 def add_param_options(parser: Any, *, choices: bool = True) -> None:

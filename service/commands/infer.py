@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from service.options import FORMAT_SUFFIXES, add_param_options, argparse_bytes, param_values
+from service.options import FORMAT_SUFFIXES, INPUT_HELP, add_param_options, argparse_bytes, param_values
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +56,7 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "input",
-        type=Path,
-        help="input file: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG, TIFF, a whole-slide image (SVS, NDPI, "
-        "OME-TIFF ...: the slides extra), or DICOM: a file, the folder or .zip of one series "
-        "(the dicom extra)",
-    )
+    parser.add_argument("input", type=Path, help=INPUT_HELP)
     parser.add_argument("output", type=Path, help="output file")
     parser.add_argument("--model", required=True, help="model name (see GET /v1/models)")
     add_param_options(

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service.options import add_param_options, argparse_bytes, param_values
+from service.options import INPUT_HELP, add_param_options, argparse_bytes, param_values
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,7 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "input",
-        type=Path,
-        help="input file: NIfTI-1/2 (.nii, .nii.gz), PNG, JPEG, TIFF, a whole-slide image (SVS, NDPI, "
-        "OME-TIFF ...: the slides extra), or DICOM: a file, the folder or .zip of one series "
-        "(the dicom extra)",
-    )
+    parser.add_argument("input", type=Path, help=INPUT_HELP)
     parser.add_argument("--model", required=True, help="model name (see GET /v1/models)")
     add_param_options(parser.add_argument_group("inference (default: the model's)"))
     parser.add_argument(

@@ -229,22 +229,30 @@ def test_regions_read_from_threads_equal_the_level(svs):
     info = probe_slide(svs)
     whole = tifffile.imread(svs, series=0, level=0)
     boxes = list(_raster_boxes(SHAPE, tile=(97, 131), halo=5))
-    bad: list[tuple] = []
     with closing(open_slide_regions(svs, info, _level0(info), mask=False)) as regions:
         regions.slide.tiles = TileCache(2 << 20)  # 10 tiles: threads evict each other's tiles
 
-        def work(part):
-            for y0, y1, x0, x1 in part:
-                got = np.moveaxis(regions[:, y0:y1, x0:x1], 0, -1)
-                if not np.array_equal(got, whole[y0:y1, x0:x1]):
-                    bad.append((y0, x0))
-
-        threads = [threading.Thread(target=work, args=(boxes[k::4],)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        bad = _wrong_in_threads(
+            boxes, lambda y0, y1, x0, x1: np.moveaxis(regions[:, y0:y1, x0:x1], 0, -1), whole
+        )
     assert not bad
+
+
+def _wrong_in_threads(boxes, read, whole, n=4):
+    """The boxes ``(y0, y1, x0, x1)`` that ``read`` gets wrong against ``whole``, read by ``n`` threads."""
+    bad: list[tuple] = []
+
+    def work(part):
+        for y0, y1, x0, x1 in part:
+            if not np.array_equal(read(y0, y1, x0, x1), whole[y0:y1, x0:x1]):
+                bad.append((y0, x0))
+
+    threads = [threading.Thread(target=work, args=(boxes[k::n],)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return bad
 
 
 def _level0(info):
@@ -288,18 +296,7 @@ def test_read_tiles_shared_by_threads_equals_slicing():
     array[:] = data
     cache = TileCache(16 * 16 * 3 * 6)  # 6 tiles: the threads evict each other's
     boxes = list(_raster_boxes(data.shape[:2], tile=(23, 29), halo=4))
-    bad: list[tuple] = []
-
-    def work(part):
-        for y0, y1, x0, x1 in part:
-            if not np.array_equal(read_tiles(array, y0, y1, x0, x1, cache), data[y0:y1, x0:x1]):
-                bad.append((y0, x0))
-
-    threads = [threading.Thread(target=work, args=(boxes[k::4],)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    bad = _wrong_in_threads(boxes, lambda y0, y1, x0, x1: read_tiles(array, y0, y1, x0, x1, cache), data)
     assert not bad and cache.nbytes <= cache.max_bytes
 
 
