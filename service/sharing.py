@@ -52,14 +52,17 @@ class SharedBatches:
         return batcher
 
     @contextlib.contextmanager
-    def bind(self, model: Any, should_stop: Callable[[], bool] | None = None) -> Iterator[None]:
+    def bind(
+        self, model: Any, should_stop: Callable[[], bool] | None = None, batch_size: int | None = None
+    ) -> Iterator[None]:
         """Within the block, this thread's tiled passes of ``model`` share forward batches; while
         they wait for the device, ``should_stop`` (the run's) is asked every 0.1 s and true stops
-        them (``tiling.RunCancelledError``)."""
+        them (``tiling.RunCancelledError``). ``batch_size``: the request's plan's, when known
+        (a forward pass then waits to hold that many tiles of any request)."""
         if model.context is not None:
             yield
             return
-        with bound_predictor(self.batcher(model).client(should_stop)):
+        with bound_predictor(self.batcher(model).client(should_stop, batch_size)):
             yield
 
     def close(self) -> None:

@@ -79,6 +79,8 @@ class _Call:
     should_stop: Callable[[], bool] | None = None
     #: The client's: set when one of its calls was stopped, so its other queued calls are dropped.
     stopped: threading.Event | None = None
+    #: Tiles per forward pass the request's plan asked for (its ``batch_size``; 0: its call's size).
+    batch: int = 0
 
     @property
     def dropped(self) -> bool:
@@ -178,21 +180,28 @@ class SharedBatcher:
         for thread in self._threads:
             thread.start()
 
-    def client(self, should_stop: Callable[[], bool] | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    def client(
+        self, should_stop: Callable[[], bool] | None = None, batch_size: int | None = None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """A predictor for one request: call it with that request's batches (or ``submit`` them).
 
         Args:
             should_stop: asked every ``0.1`` s while the request waits for its outputs; true
                 raises :class:`tiling.RunCancelledError` there and drops its queued tiles.
+            batch_size: the request's plan's tiles per forward pass: while its tiles wait, a
+                forward pass waits (up to ``wait_s``) to hold that many, even when the request
+                has fewer left (8 requests of 4 tiles at ``batch_size=8`` share passes of 8);
+                ``None``: its calls' sizes.
         """
         ident = next(self._ids)
         stopped = threading.Event()
+        batch = int(batch_size or 0)
 
         def submit(tiles: torch.Tensor) -> _Call:
-            return self._submit(ident, tiles, should_stop, stopped)
+            return self._submit(ident, tiles, should_stop, stopped, batch)
 
         def predict(tiles: torch.Tensor) -> torch.Tensor:
-            return self._submit(ident, tiles, should_stop, stopped).result()
+            return self._submit(ident, tiles, should_stop, stopped, batch).result()
 
         predict.device = self.device  # type: ignore[attr-defined]
         predict.submit = submit  # type: ignore[attr-defined]
@@ -212,9 +221,12 @@ class SharedBatcher:
         tiles: torch.Tensor,
         should_stop: Callable[[], bool] | None = None,
         stopped: threading.Event | None = None,
+        batch: int = 0,
     ) -> _Call:
         n = int(tiles.shape[0])
-        call = _Call(client, tiles, [None] * n, n, should_stop=should_stop, stopped=stopped)
+        call = _Call(
+            client, tiles, [None] * n, n, should_stop=should_stop, stopped=stopped, batch=max(batch, n)
+        )
         with self._lock:
             if self._closed:
                 raise RuntimeError("the shared batcher is closed")
@@ -245,8 +257,9 @@ class SharedBatcher:
                     del self._queues[client]
 
     def _target(self) -> int:
-        """Tiles per forward pass now: ``batch_size``, or a waiting request's own larger batch."""
-        largest = max((int(q[0][0].tiles.shape[0]) for q in self._queues.values() if q), default=0)
+        """Tiles per forward pass now: ``batch_size``, or a waiting request's own larger batch (its
+        plan's ``batch_size``, or its call's size)."""
+        largest = max((int(q[0][0].batch) for q in self._queues.values() if q), default=0)
         return max(self.batch_size, largest)
 
     def _take(self) -> list[tuple[_Call, int]]:

@@ -300,7 +300,8 @@ class JobService:
                     if tiled is not None:
                         stack.enter_context(tiled)
                     elif self.batches is not None:
-                        stack.enter_context(self.batches.bind(model, should_stop))
+                        batch = int(prepared.plan.batch_size) if prepared is not None else None
+                        stack.enter_context(self.batches.bind(model, should_stop, batch))
                     if prepared is not None:
                         execute(prepared, RunOptions(progress.tiles, should_stop))
                         return None

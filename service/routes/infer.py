@@ -180,7 +180,8 @@ def _execute(
     model = prepared.model
     tiles = metrics.tiles.labels(model.spec.name)
     stopper = deadline.should_stop(stop.is_set) if deadline is not None else stop.is_set
-    shared = batches.bind(model, stopper) if batches is not None else contextlib.nullcontext()
+    batch = int(prepared.plan.batch_size)
+    shared = batches.bind(model, stopper, batch) if batches is not None else contextlib.nullcontext()
     try:
         running = deadline.running() if deadline is not None else contextlib.nullcontext()
         with shared, running:

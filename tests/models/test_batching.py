@@ -123,3 +123,20 @@ def test_the_next_batch_waits_beside_the_device_while_it_runs_the_current_one() 
     assert n >= 4 and len(seen) == n and batcher.forward_calls == n
     assert all(k >= 1 for k in seen[: n - 1]), seen
     assert np.array_equal(y, 2 * x)
+
+
+def test_a_requests_batch_size_raises_the_pass_it_waits_to_fill() -> None:
+    """Two requests of 4 tiles that ask for passes of 8 (the batcher's default is 4) share one
+    pass of 8, the second arriving while the first's tiles wait (no timing: the second is sent
+    before the first's tiles can go, the pass waiting up to 10 s). Before, the first request's own
+    4 tiles filled a pass of 4 at once."""
+    seen: list[tuple[int, int]] = []
+    batcher = SharedBatcher(lambda x: x * 2, 4, wait_s=10.0, on_batch=lambda t, r, s: seen.append((t, r)))
+    try:
+        first = batcher.client(batch_size=8).submit(torch.ones(4, 1, 8, 8))  # type: ignore[attr-defined]
+        second = batcher.client(batch_size=8).submit(torch.full((4, 1, 8, 8), 3.0))  # type: ignore[attr-defined]
+        assert float(first.result().max()) == 2.0 and float(second.result().min()) == 6.0
+    finally:
+        batcher.close()
+    assert seen == [(8, 2)]
+    assert batcher.forward_calls == 1

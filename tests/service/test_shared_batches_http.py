@@ -43,11 +43,13 @@ def _histogram(text: str, name: str) -> tuple[float, float, float]:
 def test_eight_concurrent_requests_share_forward_passes(tmp_path: Path, make_settings: Any) -> None:
     bodies = _bodies()
     query = "/v1/models/gaussian-2d/infer?tile=48&batch_size=8&format=npy"
-    # one client sends all 8: its share of the queue and of the upload slots is all of them; a
-    # batch waits up to 1 s for a second request's tiles (on a loaded machine the 8 uploads and
-    # prepares spread over more than 200 ms: the suite once saw no shared pass with 200)
+    # one client sends all 8: its share of the queue and of the upload slots is all of them; each
+    # request has 4 tiles and asks for passes of 8 (the spec's default is 4): a pass waits up to
+    # 500 ms for a second request's tiles. Before, a request's own 4 tiles filled a pass of the
+    # spec's 4 at once, so passes were shared only when requests happened to overlap (the suite
+    # once saw none)
     shared = make_settings(tmp_dir=tmp_path, device="cpu", warmup=False, shared_requests=8, queue_size=8,
-                           batch_wait_ms=1000, max_client_share=1.0, max_uploads_per_client=8)  # fmt: skip
+                           batch_wait_ms=500, max_client_share=1.0, max_uploads_per_client=8)  # fmt: skip
     answers: dict[int, Any] = {}
     with TestClient(create_app(shared)) as client:
         start = threading.Barrier(8)
